@@ -1,0 +1,386 @@
+"""The chain cost model: per-layer memory quantities, in integer bytes.
+
+Two forms share one type, :class:`ChainCosts`.
+
+**Full form** (DESIGN.md section 3, measured against PyTorch). Layers
+``0..n-1`` run in order; ``x_i`` is the output of layer ``i`` and the model
+input ``x_{-1}`` is part of the static bytes. Per layer:
+
+=========  =================================================================
+``a[i]``   bytes of the output ``x_i`` (its gradient has the same size)
+``p[i]``   parameter bytes (the gradient of the parameters has the same size)
+``sin[i]`` the layer saves its input ``x_{i-1}`` for backward
+``sout[i]`` the layer saves its output ``x_i`` for backward
+``m[i]``   bytes of everything else it saves (statistics, masks...)
+``f[i]``   forward transient: forward peak minus parameters and input
+``b[i]``   backward transient: backward peak minus parameters, saved set
+           and output gradient (includes the new parameter and input gradients)
+``static`` K: parameters, buffers and the model input
+=========  =================================================================
+
+**Additive form** (the form the O(n) solver is exact for): arrays ``w``,
+``h``, ``q``; a plan whose segments are ``[l_0=0, r_0], [l_1, r_1], ...`` has
+peak ``static + max_k (sum_{j=1..k} w[l_j] + max_{i in [l_k, r_k]}
+(sum_{t=l_k}^{i-1} h[t] + q[i]))``; ``w[0]`` is unused.
+
+A *plan* is the sorted tuple of layers that start a new segment, excluding
+layer 0 (see :mod:`ckptopt.simulate`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import cached_property
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InvalidCosts
+
+__all__ = ["ChainCosts"]
+
+_FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
+_ADDITIVE_FIELDS = ("w", "h", "q")
+_FLAG_FIELDS = ("sin", "sout")
+# Sums of byte counts must stay far from int64 overflow in the solvers' sums.
+_MAX_TOTAL = 2**60
+_FORMAT = "ckptopt.ChainCosts"
+_VERSION = 1
+
+
+def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
+    """Convert ``values`` to a read-only 1-D int64 array, or raise InvalidCosts."""
+    if isinstance(values, (str, bytes)) or values is None:
+        raise InvalidCosts(
+            f"field {field!r} must be a sequence of integers, got {type(values).__name__}",
+            field=field,
+        )
+    try:
+        arr = np.asarray(values)
+    except Exception as exc:  # ragged lists and the like
+        raise InvalidCosts(f"field {field!r} is not an array of numbers: {exc}", field=field) from exc
+    if arr.ndim != 1:
+        raise InvalidCosts(
+            f"field {field!r} must be one-dimensional (one value per layer), got shape {arr.shape}",
+            field=field,
+        )
+    if arr.dtype == object or not (
+        np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.bool_)
+    ):
+        for i, v in enumerate(arr):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise InvalidCosts(
+                    f"field {field!r} index {i}: {v!r} is not an integer", field=field, index=i
+                )
+        arr = arr.astype(float)
+    if np.issubdtype(arr.dtype, np.floating):
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidCosts(
+                f"field {field!r} index {i}: {arr[i]!r} is not an integer number of bytes",
+                field=field,
+                index=i,
+            )
+        if (np.abs(arr) >= _MAX_TOTAL).any():
+            i = int(np.flatnonzero(np.abs(arr) >= _MAX_TOTAL)[0])
+            raise InvalidCosts(
+                f"field {field!r} index {i}: {arr[i]!r} is too large", field=field, index=i
+            )
+    out = arr.astype(np.int64)
+    neg = out < 0
+    if neg.any():
+        i = int(np.flatnonzero(neg)[0])
+        raise InvalidCosts(
+            f"field {field!r} index {i}: {int(out[i])} is negative; sizes are non-negative bytes",
+            field=field,
+            index=i,
+        )
+    if flag and (out > 1).any():
+        i = int(np.flatnonzero(out > 1)[0])
+        raise InvalidCosts(
+            f"field {field!r} index {i}: {int(out[i])} is not a flag (0/1 or bool)",
+            field=field,
+            index=i,
+        )
+    out.setflags(write=False)
+    return out
+
+
+def _int_scalar(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidCosts(f"field {field!r} must be an integer, got {value!r}", field=field)
+    if isinstance(value, (float, np.floating)) and (not math.isfinite(value) or value != round(value)):
+        raise InvalidCosts(f"field {field!r}: {value!r} is not an integer number of bytes", field=field)
+    v = int(value)
+    if v < 0:
+        raise InvalidCosts(f"field {field!r}: {v} is negative; sizes are non-negative bytes", field=field)
+    if v >= _MAX_TOTAL:
+        raise InvalidCosts(f"field {field!r}: {v} is too large", field=field)
+    return v
+
+
+class ChainCosts:
+    """Per-layer memory costs of a chain of ``n`` layers, in integer bytes.
+
+    Parameters
+    ----------
+    a, p, sin, sout, m, f, b : sequences of length n
+        The full-form quantities (see the module docstring and DESIGN.md
+        section 3). ``sin``/``sout`` are flags (bool or 0/1).
+    static : int
+        Bytes held for the whole step (parameters, buffers, model input).
+    names : sequence of str, optional
+        A label per layer, for display.
+
+    Raises
+    ------
+    InvalidCosts
+        When lengths disagree, ``n < 1``, or a value is negative, not an
+        integer, or not a flag; the exception names the field and index.
+
+    Examples
+    --------
+    >>> c = ChainCosts.additive(w=[0, 4], h=[4, 4], q=[8, 8])
+    >>> c.n, c.kind
+    (2, 'additive')
+    """
+
+    def __init__(
+        self,
+        a: Sequence[int],
+        p: Sequence[int],
+        sin: Sequence[bool],
+        sout: Sequence[bool],
+        m: Sequence[int],
+        f: Sequence[int],
+        b: Sequence[int],
+        static: int = 0,
+        names: Iterable[str] | None = None,
+    ):
+        values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
+        self._init("full", values, static, names)
+
+    # -- construction -------------------------------------------------------
+    def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any) -> None:
+        fields = {}
+        for name, v in values.items():
+            fields[name] = _int_array(name, v, flag=name in _FLAG_FIELDS)
+        n = None
+        for name, arr in fields.items():
+            if n is None:
+                n = len(arr)
+            elif len(arr) != n:
+                first = next(iter(fields))
+                raise InvalidCosts(
+                    f"field {name!r} has {len(arr)} entries but {first!r} has {n}; "
+                    "every per-layer field needs one entry per layer",
+                    field=name,
+                )
+        if not n:
+            raise InvalidCosts("a cost model needs at least one layer (n >= 1), got 0", field=None)
+        self.kind = kind
+        self.static = _int_scalar("static", static)
+        total = self.static + sum(int(arr.sum()) for arr in fields.values())
+        if total >= _MAX_TOTAL:
+            raise InvalidCosts(
+                f"the sizes sum to {total} bytes, beyond what the solvers can add up exactly (2**60)",
+                field=None,
+            )
+        self._fields = fields
+        if names is not None:
+            names = tuple(str(x) for x in names)
+            if len(names) != n:
+                raise InvalidCosts(
+                    f"field 'names' has {len(names)} entries for {n} layers", field="names"
+                )
+        self.names = names
+
+    @classmethod
+    def additive(
+        cls,
+        w: Sequence[int],
+        h: Sequence[int],
+        q: Sequence[int],
+        static: int = 0,
+        names: Iterable[str] | None = None,
+    ) -> "ChainCosts":
+        """Build the additive form (see the module docstring). ``w[0]`` is unused."""
+        self = cls.__new__(cls)
+        self._init("additive", dict(w=w, h=h, q=q), static, names)
+        return self
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ChainCosts":
+        """Inverse of :meth:`to_dict`."""
+        if not isinstance(data, Mapping):
+            raise InvalidCosts(f"a cost model must be a JSON object, got {type(data).__name__}")
+        if data.get("format", _FORMAT) != _FORMAT:
+            raise InvalidCosts(f"not a ckptopt cost file: format is {data.get('format')!r}, expected {_FORMAT!r}")
+        kind = data.get("kind", "full")
+        layers = data.get("layers")
+        if not isinstance(layers, Mapping):
+            raise InvalidCosts("cost file has no 'layers' object with one array per field", field="layers")
+        wanted = _FULL_FIELDS if kind == "full" else _ADDITIVE_FIELDS if kind == "additive" else None
+        if wanted is None:
+            raise InvalidCosts(f"unknown cost model kind {kind!r}: expected 'full' or 'additive'", field="kind")
+        missing = [k for k in wanted if k not in layers]
+        if missing:
+            raise InvalidCosts(
+                f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
+                field=missing[0],
+            )
+        extra = sorted(set(layers) - set(wanted))
+        if extra:
+            raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
+        static = data.get("static", 0)
+        names = data.get("names")
+        if kind == "full":
+            return cls(**{k: layers[k] for k in wanted}, static=static, names=names)
+        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike) -> "ChainCosts":
+        """Load a cost model from a JSON file path (or a JSON string starting with ``{``)."""
+        if isinstance(source, str) and source.lstrip().startswith("{"):
+            text = source
+            where = "JSON text"
+        else:
+            where = os.fspath(source)
+            try:
+                with open(where, encoding="utf-8") as fh:
+                    text = fh.read()
+            except OSError as exc:
+                raise InvalidCosts(f"cannot read cost file {where!r}: {exc.strerror}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidCosts(
+                f"cost file {where!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                f"{exc.msg}); is it truncated? Regenerate it with ChainCosts.to_json or `ckptopt profile --json`."
+            ) from exc
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "kind": self.kind,
+            "static": self.static,
+            "layers": {
+                k: [bool(x) for x in v] if k in _FLAG_FIELDS else [int(x) for x in v]
+                for k, v in self._fields.items()
+            },
+        }
+        if self.names is not None:
+            out["names"] = list(self.names)
+        return out
+
+    def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
+        """Serialize to JSON; also write it to ``path`` when given. Returns the text."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+        return text
+
+    # -- access ---------------------------------------------------------------
+    def __getattr__(self, name: str) -> np.ndarray:
+        # Only called when normal lookup fails: expose the per-layer fields.
+        fields = self.__dict__.get("_fields")
+        if fields is not None and name in fields:
+            return fields[name]
+        if fields is not None and name in _FULL_FIELDS + _ADDITIVE_FIELDS:
+            raise AttributeError(f"a cost model of kind {self.kind!r} has no field {name!r}")
+        raise AttributeError(name)
+
+    @property
+    def n(self) -> int:
+        """Number of layers."""
+        return len(next(iter(self._fields.values())))
+
+    @property
+    def is_additive(self) -> bool:
+        return self.kind == "additive"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ChainCosts):
+            return NotImplemented
+        return (
+            self.kind == other.kind
+            and self.static == other.static
+            and self._fields.keys() == other._fields.keys()
+            and all(np.array_equal(v, other._fields[k]) for k, v in self._fields.items())
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ChainCosts(kind={self.kind!r}, n={self.n}, static={self.static})"
+
+    # -- derived quantities (used by the simulator and the solvers) -------------
+    @cached_property
+    def grad_after(self) -> np.ndarray:
+        """``G[i]``: gradient bytes of the parameters of layers after ``i`` (full form)."""
+        p = self._fields["p"]
+        suffix = np.concatenate([np.cumsum(p[::-1])[::-1], [0]])
+        return suffix[1:].astype(np.int64)
+
+    @cached_property
+    def kernel_arrays(self) -> tuple[np.ndarray, ...]:
+        """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
+
+        ``(P, qb, ck, qf, fw, f, G, a, runs, saves)``: ``P`` (length n+1) the
+        prefix sums of what each layer leaves saved, ``qb`` the per-layer
+        backward term, ``ck`` the bytes a segment starting at a layer holds as
+        its checkpoint (``ck[0] = 0``), and for the full form the forward and
+        recomputation terms. Everything else is zero for the additive form.
+        """
+        n = self.n
+        z = np.zeros(n, dtype=np.int64)
+        if self.kind == "additive":
+            h, q, w = self._fields["h"], self._fields["q"], self._fields["w"]
+            P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
+            ck = w.copy()
+            ck[0] = 0
+            return (P, q.copy(), ck, z, z, z, z, z, z, z)
+        a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
+        G = self.grad_after
+        # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
+        nxt_sin = np.concatenate([sin[1:], [0]])
+        k = ((sout > 0) | (nxt_sin > 0)).astype(np.int64)
+        h = m + a * k
+        P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
+        qb = m + a * sout + a + b + G
+        a_prev = np.concatenate([[0], a[:-1]])
+        k_prev = np.concatenate([[0], k[:-1]])
+        qf = a_prev * (1 - k_prev) + f
+        fw = a_prev + f
+        ck = a_prev.copy()
+        runs = ((sout > 0) | (m > 0)).astype(np.int64)
+        saves = ((runs > 0) | (sin > 0)).astype(np.int64)
+        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves)
+
+    def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(w, h, q)`` of the additive form.
+
+        Exact for an additive instance. For a full-form instance it is the
+        approximation the ``linear`` solver optimizes: ``w[l] = a[l-1]``, ``h``
+        what each layer leaves saved (deduplicated by storage), and ``q[i]`` the
+        largest of layer ``i``'s backward, recomputation (as if the segment
+        ended at ``i``) and forward terms. The backward terms are exact; the
+        recomputation and forward terms are not, because in the full model
+        they depend on where the segment ends. The simulator scores the
+        resulting plan with the full model.
+        """
+        P, qb, ck, qf, fw, f, G, a, runs, saves = self.kernel_arrays
+        h = np.diff(P)
+        if self.kind == "additive":
+            return ck, h, qb
+        q = np.maximum(np.maximum(qb, G + a + qf), fw)
+        return ck, h, q

@@ -1,0 +1,85 @@
+"""Exceptions raised by ckptopt.
+
+Each class means one thing and carries the data a caller needs to act on it
+(the field and index of a bad cost, the smallest achievable peak of an
+infeasible budget). Every class derives from a built-in exception as well, so
+callers that do not know ckptopt can still catch ``ValueError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CkptoptError",
+    "InvalidCosts",
+    "InvalidPlan",
+    "InfeasibleBudget",
+    "UnknownSolver",
+    "ProblemTooLarge",
+]
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``'1.50 KiB'``; exact byte count for small values."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class CkptoptError(Exception):
+    """Base class of every error ckptopt raises on purpose."""
+
+
+class InvalidCosts(CkptoptError, ValueError):
+    """A cost model is malformed: a length, a negative or non-integer value.
+
+    Attributes
+    ----------
+    field : str or None
+        The offending field (``"a"``, ``"h"``, ``"static"``...).
+    index : int or None
+        The offending layer index, when the problem is one entry.
+    """
+
+    def __init__(self, message: str, field: str | None = None, index: int | None = None):
+        super().__init__(message)
+        self.field = field
+        self.index = index
+
+
+class InvalidPlan(CkptoptError, ValueError):
+    """A checkpoint tuple is not a valid plan for the cost model it is used with."""
+
+
+class UnknownSolver(CkptoptError, ValueError):
+    """The solver name is not in the registry; the message lists the valid ones."""
+
+
+class ProblemTooLarge(CkptoptError, ValueError):
+    """The instance is too large for the requested solver (e.g. ``brute`` beyond n = 20)."""
+
+
+class InfeasibleBudget(CkptoptError, ValueError):
+    """No plan fits the memory budget.
+
+    Attributes
+    ----------
+    budget_bytes : int
+        The budget that was asked for.
+    min_peak_bytes : int
+        The smallest peak any plan reaches on this cost model: a budget at
+        least this large is feasible.
+    """
+
+    def __init__(self, budget_bytes: int, min_peak_bytes: int):
+        self.budget_bytes = int(budget_bytes)
+        self.min_peak_bytes = int(min_peak_bytes)
+        super().__init__(
+            f"no checkpoint plan fits a budget of {self.budget_bytes} bytes "
+            f"({format_bytes(self.budget_bytes)}): the smallest achievable peak is "
+            f"{self.min_peak_bytes} bytes ({format_bytes(self.min_peak_bytes)}). "
+            "Raise the budget to at least that, or reduce the batch size "
+            "(with gradient accumulation to keep the effective batch)."
+        )

@@ -1,0 +1,113 @@
+"""The peak-memory simulator: the single source of truth for a plan's peak.
+
+A *plan* is the sorted tuple of layers that start a new segment, excluding
+layer 0 (which always starts the first segment). ``()`` is one segment: no
+checkpointing. Every segment but the last is run under
+``torch.utils.checkpoint(..., use_reentrant=False)``; the last is left
+unwrapped (same peak, no recomputation). The formulas are DESIGN.md section 3;
+:mod:`ckptopt._kernels` states them term by term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from . import _kernels
+from .costs import ChainCosts
+from .errors import InvalidPlan
+
+__all__ = ["simulate", "SimResult", "normalize_plan"]
+
+_PHASES = ("forward", "recompute", "backward")
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Where a plan's peak is reached.
+
+    Attributes
+    ----------
+    peak_bytes : int
+        Peak memory of one training step, static bytes included.
+    phase : str
+        ``"forward"``, ``"recompute"`` or ``"backward"`` (the additive form has
+        only the backward term).
+    layer : int
+        The layer running when the peak is reached.
+    segment : int
+        Index of the segment that layer belongs to (0-based).
+    """
+
+    peak_bytes: int
+    phase: str
+    layer: int
+    segment: int
+
+
+def normalize_plan(costs: ChainCosts, checkpoints: Iterable[int]) -> tuple[int, ...]:
+    """Validate ``checkpoints`` against ``costs`` and return it as a tuple of ints.
+
+    Raises
+    ------
+    InvalidPlan
+        When an entry is not an integer, is out of ``1..n-1``, or the entries
+        are not strictly increasing.
+    """
+    if isinstance(checkpoints, (str, bytes)):
+        raise InvalidPlan(f"a plan is a sequence of layer indices, got the string {checkpoints!r}")
+    try:
+        items = list(checkpoints)
+    except TypeError as exc:
+        raise InvalidPlan(f"a plan is a sequence of layer indices, got {type(checkpoints).__name__}") from exc
+    out = []
+    n = costs.n
+    for pos, c in enumerate(items):
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)):
+            raise InvalidPlan(f"plan entry {pos} is {c!r}, not a layer index (int)")
+        c = int(c)
+        if not 1 <= c <= n - 1:
+            raise InvalidPlan(
+                f"plan entry {pos} is layer {c}, outside 1..{n - 1}: a checkpoint names the first "
+                f"layer of a new segment, and layer 0 always starts the first one (n = {n})"
+            )
+        if out and c <= out[-1]:
+            raise InvalidPlan(f"plan entries must be strictly increasing: {out[-1]} then {c} at entry {pos}")
+        out.append(c)
+    return tuple(out)
+
+
+def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
+    """Exact peak training memory of a plan under the chain model.
+
+    Parameters
+    ----------
+    costs : ChainCosts
+        The cost model (full or additive form).
+    checkpoints : sequence of int
+        Segment-start layers, strictly increasing, each in ``1..n-1``.
+
+    Returns
+    -------
+    SimResult
+
+    Notes
+    -----
+    Running time O(n) per plan (compiled).
+
+    Examples
+    --------
+    >>> c = ChainCosts.additive(w=[0, 5, 5], h=[10, 10, 10], q=[1, 1, 1])
+    >>> simulate(c, ()).peak_bytes, simulate(c, (1, 2)).peak_bytes
+    (21, 11)
+    """
+    if not isinstance(costs, ChainCosts):
+        raise TypeError(f"simulate() needs a ChainCosts, got {type(costs).__name__}")
+    plan = normalize_plan(costs, checkpoints)
+    starts = np.array((0,) + plan, dtype=np.int64)
+    peak, phase, layer, seg = _kernels.simulate_plan(
+        starts, costs.n, not costs.is_additive, costs.kernel_arrays
+    )
+    return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg))

@@ -1,0 +1,77 @@
+"""Exact solvers for the full chain model: brute force, O(n^3) and O(n^2) programs."""
+
+from __future__ import annotations
+
+from .. import _kernels
+from ..costs import ChainCosts
+from ..errors import ProblemTooLarge
+
+__all__ = ["brute", "dp", "dp2", "BRUTE_MAX_N"]
+
+BRUTE_MAX_N = 20
+
+
+def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+    """Try every plan (2^(n-1) of them) and keep the lowest peak.
+
+    The oracle the tests check every other solver against. Ties go to the
+    plan whose checkpoint bit mask is smallest (layer ``j`` is bit ``j-1``).
+
+    Raises
+    ------
+    ProblemTooLarge
+        For ``n > 20`` (over half a million plans): use ``dp2``, which is
+        exact and O(n^2).
+
+    Notes
+    -----
+    Running time O(n 2^n).
+    """
+    if costs.n > BRUTE_MAX_N:
+        raise ProblemTooLarge(
+            f"solver 'brute' tries all 2^(n-1) plans and refuses n > {BRUTE_MAX_N} "
+            f"(this model has n = {costs.n}); use the exact solver 'dp2' (O(n^2)) or 'dp' instead"
+        )
+    value, plan = _kernels.brute_force(costs.n, not costs.is_additive, costs.kernel_arrays)
+    return tuple(int(x) for x in plan), int(value) + costs.static
+
+
+def dp(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+    """The O(n^3) dynamic program of Hong et al. (arXiv 2502.12499).
+
+    With ``V(l)`` the lowest peak (relative to the checkpoints held before
+    it) of layers ``l..n-1`` when a segment starts at ``l``::
+
+        V(l) = min_{r >= l} max(D(l, r), ck[r+1] + V(r+1)),   D(l, n-1) last
+
+    where ``D(l, r)`` is the peak inside segment ``[l, r]`` (forward,
+    recomputation and backward terms, DESIGN.md section 3) and ``ck[r+1]``
+    the bytes of the next segment's checkpoint, which every later segment
+    also holds (the prefix objective). ``D`` may depend on both ends in any
+    way; here each ``D(l, r)`` is computed from scratch in O(r - l), as in
+    the paper's cubic formulation. Ties go to the longest segment.
+
+    Notes
+    -----
+    Running time O(n^3), memory O(n). Exact for the full model.
+    """
+    value, plan = _kernels.dp_cubic(costs.n, not costs.is_additive, costs.kernel_arrays)
+    return tuple(int(x) for x in plan), int(value) + costs.static
+
+
+def dp2(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+    """Exact O(n^2) program: the recurrence of :func:`dp` with ``D(l, r)``
+    extended incrementally as ``r`` grows.
+
+    For a fixed ``l`` the backward and forward terms are running maxima; the
+    recomputation term is ``G[r] + a[r]`` plus a running maximum taken up to
+    the last layer the recomputation runs, which only moves forward with
+    ``r``. So each ``D(l, r)`` costs O(1) after ``D(l, r-1)`` (DESIGN.md
+    section 5). Ties go to the longest segment, as in :func:`dp`.
+
+    Notes
+    -----
+    Running time O(n^2), memory O(n). Exact for the full model.
+    """
+    value, plan = _kernels.dp_quadratic(costs.n, not costs.is_additive, costs.kernel_arrays)
+    return tuple(int(x) for x in plan), int(value) + costs.static
