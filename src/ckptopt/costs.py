@@ -57,6 +57,21 @@ def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
             f"field {field!r} must be a sequence of integers, got {type(values).__name__}",
             field=field,
         )
+    if not isinstance(values, np.ndarray):
+        try:
+            values = list(values)
+        except TypeError:
+            raise InvalidCosts(
+                f"field {field!r} must be a sequence of integers, got {type(values).__name__}", field=field
+            ) from None
+        for i, v in enumerate(values):
+            if isinstance(v, (list, tuple, np.ndarray)):
+                raise InvalidCosts(
+                    f"field {field!r} must be one-dimensional (one value per layer); index {i} is a sequence",
+                    field=field,
+                )
+            if (isinstance(v, bool) and not flag) or not isinstance(v, (int, float, np.integer, np.floating, np.bool_)):
+                raise InvalidCosts(f"field {field!r} index {i}: {v!r} is not an integer", field=field, index=i)
     try:
         arr = np.asarray(values)
     except Exception as exc:  # ragged lists and the like
@@ -168,15 +183,14 @@ class ChainCosts:
         fields = {}
         for name, v in values.items():
             fields[name] = _int_array(name, v, flag=name in _FLAG_FIELDS)
-        n = None
+        lengths = [len(arr) for arr in fields.values()]
+        n = max(set(lengths), key=lambda x: (lengths.count(x), -lengths.index(x)))
         for name, arr in fields.items():
-            if n is None:
-                n = len(arr)
-            elif len(arr) != n:
-                first = next(iter(fields))
+            if len(arr) != n:
+                others = [k for k, v in fields.items() if len(v) == n]
                 raise InvalidCosts(
-                    f"field {name!r} has {len(arr)} entries but {first!r} has {n}; "
-                    "every per-layer field needs one entry per layer",
+                    f"field {name!r} has {len(arr)} entries but {', '.join(map(repr, others))} "
+                    f"{'has' if len(others) == 1 else 'have'} {n}; every per-layer field needs one entry per layer",
                     field=name,
                 )
         if not n:

@@ -8,6 +8,8 @@ callers that do not know ckptopt can still catch ``ValueError``.
 
 from __future__ import annotations
 
+from .units import format_bytes
+
 __all__ = [
     "CkptoptError",
     "InvalidCosts",
@@ -16,16 +18,6 @@ __all__ = [
     "UnknownSolver",
     "ProblemTooLarge",
 ]
-
-
-def format_bytes(n: int | float) -> str:
-    """``1536`` -> ``'1.50 KiB'``; exact byte count for small values."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 class CkptoptError(Exception):

@@ -24,15 +24,17 @@ def every(costs: ChainCosts) -> tuple[int, ...]:
 
 
 def uniform(costs: ChainCosts, k: int) -> tuple[int, ...]:
-    """``k`` segments of (nearly) equal layer count, as ``checkpoint_sequential``
-    splits a model: segment ``j`` starts at ``floor(j * n / k)``."""
+    """``k`` segments split by layer count exactly as ``torch.utils.checkpoint.checkpoint_sequential``
+    splits a model: ``n // k`` layers each, the remainder going to the last segment
+    (``k`` is capped at ``n``)."""
     n = costs.n
     k = max(1, min(int(k), n))
-    return tuple(sorted({(j * n) // k for j in range(1, k)} - {0}))
+    size = n // k
+    return tuple(j * size for j in range(1, k))
 
 
 def sqrt(costs: ChainCosts) -> tuple[int, ...]:
-    """Chen et al. (2016), section 3: ``ceil(sqrt(n))`` segments, uniform by layer count."""
+    """Chen et al. (2016), section 3: ``ceil(sqrt(n))`` segments, split by layer count as :func:`uniform`."""
     return uniform(costs, math.ceil(math.sqrt(costs.n)))
 
 

@@ -1,0 +1,129 @@
+"""Solve time against n for dp (O(n^3)), dp2 (O(n^2)) and linear (O(n)).
+
+Random additive instances (seeded); for each n the solvers run interleaved on the
+same instance, `--repeats` times, and the median is kept. Writes
+benchmarks/results/solver_scaling.{json,png} and prints a Markdown table with the
+fitted log-log slopes (least squares over the sizes at or above `--fit-from`).
+
+    python benchmarks/solver_scaling.py            # full run, about a minute on 2 cores
+    python benchmarks/solver_scaling.py --quick    # smaller sizes, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from ckptopt import ChainCosts, solve
+
+OUT = Path(__file__).resolve().parent / "results"
+
+SIZES = {
+    "dp": [100, 200, 300, 500, 700, 1000, 1500, 2000],
+    "dp2": [300, 1000, 2000, 5000, 10000, 20000],
+    "linear": [1000, 10_000, 100_000, 300_000, 1_000_000],
+}
+QUICK = {"dp": [100, 200, 400], "dp2": [300, 1000, 3000], "linear": [1000, 10_000, 100_000]}
+FIT_FROM = {"dp": 500, "dp2": 2000, "linear": 10_000}
+
+
+def instance(n: int, seed: int) -> ChainCosts:
+    rng = np.random.default_rng(seed)
+    return ChainCosts.additive(
+        rng.integers(0, 1 << 20, n), rng.integers(0, 1 << 20, n), rng.integers(0, 1 << 24, n)
+    )
+
+
+def fit_slope(ns, ts):
+    x, y = np.log(ns), np.log(ts)
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    sizes = QUICK if args.quick else SIZES
+    solve(instance(5, 0), "dp")  # compile / load the kernels before timing anything
+
+    all_n = sorted({n for v in sizes.values() for n in v})
+    times: dict[str, dict[int, float]] = {s: {} for s in sizes}
+    agree: dict[int, bool] = {}
+    for n in all_n:
+        c = instance(n, seed=n)
+        runs = {s: [] for s in sizes if n in sizes[s]}
+        reps = 1 if (n >= 1500 and "dp" in runs) else args.repeats
+        peaks = {}
+        for _ in range(reps):  # interleaved: each repeat runs every solver once
+            for s in runs:
+                p = solve(c, s)
+                runs[s].append(p.solve_seconds)
+                peaks[s] = p.peak_bytes
+        for s, ts in runs.items():
+            times[s][n] = statistics.median(ts)
+        if len(set(peaks.values())) > 1:
+            raise SystemExit(f"solvers disagree at n={n}: {peaks}")
+        agree[n] = True
+        print(f"n={n:>8}: " + "  ".join(f"{s} {times[s][n]:.4g}s" for s in runs), flush=True)
+
+    slopes = {}
+    for s in sizes:
+        ns = [n for n in sizes[s] if n >= (FIT_FROM[s] if not args.quick else 0)]
+        slopes[s] = fit_slope(ns, [times[s][n] for n in ns])
+
+    meta = dict(
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        machine=f"{platform.node()} {platform.machine()} {platform.processor() or ''}".strip(),
+        cpus=__import__("os").cpu_count(),
+        python=platform.python_version(),
+        numpy=np.__version__,
+        numba=__import__("numba").__version__,
+        command="python benchmarks/solver_scaling.py" + (" --quick" if args.quick else ""),
+        repeats=args.repeats,
+    )
+    result = dict(meta=meta, seconds={s: {str(n): t for n, t in v.items()} for s, v in times.items()},
+                  slopes=slopes, peaks_agree_at=sorted(agree))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "solver_scaling_quick" if args.quick else "solver_scaling"
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    print()
+    print("| solver | " + " | ".join(f"n={n:,}" for n in all_n) + " | slope |")
+    print("|---|" + "---|" * (len(all_n) + 1))
+    for s in sizes:
+        cells = [f"{times[s][n]:.3g} s" if n in times[s] else "" for n in all_n]
+        print(f"| {s} | " + " | ".join(cells) + f" | {slopes[s]:.2f} |")
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        print("matplotlib not installed: skipped the PNG (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for s, marker in zip(sizes, "osd"):
+        ns = sorted(times[s])
+        ax.loglog(ns, [times[s][n] for n in ns], marker=marker, label=f"{s} (slope {slopes[s]:.2f})")
+    ax.set_xlabel("n (layers)")
+    ax.set_ylabel("solve time (s), median")
+    ax.set_title("Solver time against n, random additive instances")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.text(0.01, 0.01, f"{meta['command']} | {meta['date']} | {meta['cpus']} CPUs", fontsize=6, alpha=0.7)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{stem}.png", dpi=120)
+    print(f"wrote {args.out / (stem + '.json')} and .png")
+
+
+if __name__ == "__main__":
+    main()

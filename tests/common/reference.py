@@ -1,0 +1,116 @@
+"""An independent, deliberately naive simulator of one training step (DESIGN.md section 3).
+
+It walks the step event by event and keeps an explicit set of live storages
+(activations ``x{t}``, their gradients ``g{t}``, private saved tensors
+``m{i}``, parameter gradients ``gp{i}``), so a tensor saved by two layers is
+one set element. It shares no code with ``ckptopt._kernels`` (which uses
+prefix sums and closed forms); the tests require both to agree.
+"""
+
+from __future__ import annotations
+
+
+def reference_peak(costs, checkpoints) -> int:
+    if costs.is_additive:
+        return _additive(costs, checkpoints)
+    return _full(costs, checkpoints)
+
+
+def _segments(n, checkpoints):
+    starts = [0] + list(checkpoints)
+    ends = [s - 1 for s in checkpoints] + [n - 1]
+    return list(zip(starts, ends))
+
+
+def _additive(c, checkpoints):
+    w, h, q = (list(map(int, x)) for x in (c.w, c.h, c.q))
+    best = 0
+    held = 0
+    for k, (l, r) in enumerate(_segments(c.n, checkpoints)):
+        if k:
+            held += w[l]
+        for i in range(l, r + 1):
+            best = max(best, held + sum(h[l:i]) + q[i])
+    return c.static + best
+
+
+def _full(c, checkpoints):
+    n = c.n
+    a = [int(x) for x in c.a]
+    p = [int(x) for x in c.p]
+    f = [int(x) for x in c.f]
+    b = [int(x) for x in c.b]
+    m = [int(x) for x in c.m]
+    sin = [bool(x) for x in c.sin]
+    sout = [bool(x) for x in c.sout]
+    size = {}
+    for t in range(n):
+        size[f"x{t}"] = a[t]
+        size[f"g{t}"] = a[t]
+        size[f"m{t}"] = m[t]
+        size[f"gp{t}"] = p[t]
+    size["x-1"] = 0  # the model input lives in the static bytes
+
+    def saved(i):
+        s = {f"m{i}"}
+        if sin[i]:
+            s.add(f"x{i - 1}")
+        if sout[i]:
+            s.add(f"x{i}")
+        return s
+
+    def total(live):
+        return sum(size[s] for s in live)
+
+    segs = _segments(n, checkpoints)
+    last = len(segs) - 1
+    peak = 0
+    # ---- forward
+    ckpt = set()  # checkpoints held (inputs of segments 1..k)
+    kept = set()  # saved sets kept by the unwrapped last segment
+    for k, (l, r) in enumerate(segs):
+        if k:
+            ckpt.add(f"x{l - 1}")
+        for i in range(l, r + 1):
+            live = ckpt | kept | ({f"x{i - 1}"} if i > l else set())
+            peak = max(peak, total(live) + f[i])
+            if k == last:
+                kept |= saved(i)
+    # ---- backward, last segment first
+    grads = set()  # parameter gradients accumulated so far
+    for k in range(last, -1, -1):
+        l, r = segs[k]
+        held = set(ckpt) | grads | {f"g{r}"}
+        if k == last:
+            seg_saved = set(kept)
+        else:
+            # recompute layer by layer; a layer's input is packed before it runs and its
+            # output/extra tensors after, and recomputation stops once the segment's
+            # whole saved set is present again.
+            needed = set().union(*(saved(i) for i in range(l, r + 1))) - {f"x{l - 1}"}
+            needed = {s for s in needed if size[s] > 0 or s.startswith("x")}
+            seg_saved = set()
+            for i in range(l, r + 1):
+                if sin[i] and i > l:
+                    seg_saved.add(f"x{i - 1}")
+                if needed <= seg_saved:
+                    break
+                live = held | seg_saved | ({f"x{i - 1}"} if i > l else set())
+                peak = max(peak, total(live) + f[i])
+                seg_saved |= saved(i) - {f"x{l - 1}"}
+                if needed <= seg_saved:
+                    break
+        for i in range(r, l - 1, -1):
+            live = held | grads | seg_saved | saved(i) | {f"g{i}"}
+            peak = max(peak, total(live) + b[i])
+            # after layer i's backward: its saved set is released unless an earlier layer
+            # of the segment also saved the same storage; its parameter gradient stays.
+            still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()
+            seg_saved = (seg_saved - saved(i)) | (seg_saved & still)
+            grads.add(f"gp{i}")
+            held.discard(f"g{i}")
+            if i > l:
+                held.add(f"g{i - 1}")
+        if k:
+            ckpt.discard(f"x{l - 1}")
+    return c.static + peak

@@ -1,0 +1,48 @@
+"""Hypothesis strategies for random cost models."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ckptopt import ChainCosts
+
+
+@st.composite
+def full_costs(draw, max_n: int = 12, max_value: int = 100):
+    """A random full-form model; small value ranges so ties and zeros are common."""
+    n = draw(st.integers(1, max_n))
+    hi = draw(st.sampled_from([3, 20, max_value]))
+    ints = st.lists(st.integers(0, hi), min_size=n, max_size=n)
+    flags = st.lists(st.booleans(), min_size=n, max_size=n)
+    zero_or = st.lists(st.one_of(st.just(0), st.integers(0, hi)), min_size=n, max_size=n)
+    return ChainCosts(
+        a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
+        m=draw(zero_or), f=draw(ints), b=draw(ints), static=draw(st.integers(0, hi)),
+    )
+
+
+@st.composite
+def additive_costs(draw, max_n: int = 14, max_value: int = 100):
+    n = draw(st.integers(1, max_n))
+    hi = draw(st.sampled_from([3, 20, max_value]))
+    ints = st.lists(st.integers(0, hi), min_size=n, max_size=n)
+    return ChainCosts.additive(w=draw(ints), h=draw(ints), q=draw(ints), static=draw(st.integers(0, hi)))
+
+
+def random_additive(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
+    """Seeded large additive instance; mixes scales so every regime of the deque is exercised."""
+    scale = rng.choice([2, 10, hi])
+    w = rng.integers(0, scale, n)
+    h = rng.integers(0, scale, n)
+    q = rng.integers(0, scale * rng.choice([1, 5, 50]), n)
+    return ChainCosts.additive(w, h, q, static=int(rng.integers(0, 10)))
+
+
+def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
+    scale = int(rng.choice([3, 30, hi]))
+    r = lambda: rng.integers(0, scale, n)
+    return ChainCosts(
+        a=r(), p=r() * rng.integers(0, 2, n), sin=rng.integers(0, 2, n), sout=rng.integers(0, 2, n),
+        m=r() * rng.integers(0, 2, n), f=r(), b=r(), static=int(rng.integers(0, scale)),
+    )

@@ -1,0 +1,137 @@
+"""The cost model: construction, validation, JSON round trips."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from ckptopt import ChainCosts, InvalidCosts
+
+from .common.strategies import additive_costs, full_costs
+
+FULL = dict(a=[4, 8], p=[1, 2], sin=[True, False], sout=[0, 1], m=[0, 3], f=[4, 8], b=[5, 6])
+
+
+def test_fields_are_readonly_int64():
+    c = ChainCosts(**FULL, static=10)
+    assert c.n == 2 and c.kind == "full" and c.static == 10
+    for k in FULL:
+        arr = getattr(c, k)
+        assert arr.dtype == np.int64 and not arr.flags.writeable
+    with pytest.raises(ValueError):
+        c.a[0] = 1
+    with pytest.raises(AttributeError, match="kind 'full' has no field 'w'"):
+        c.w
+
+
+def test_additive_constructor():
+    c = ChainCosts.additive([9, 1], [2, 3], [4, 5], static=1, names=["x", "y"])
+    assert c.is_additive and c.names == ("x", "y")
+    w, h, q = c.additive_form()
+    # w[0] is unused: the kernel arrays zero it
+    assert list(w) == [0, 1] and list(h) == [2, 3] and list(q) == [4, 5]
+
+
+def test_integral_floats_accepted():
+    c = ChainCosts.additive([0.0, 1e3], [2.0, 3.0], [4, 5])
+    assert list(c.w) == [0, 1000]
+
+
+@pytest.mark.parametrize(
+    "field, value, index, match",
+    [
+        ("a", [4, -1], 1, "negative"),
+        ("f", [4, 1.5], 1, "not an integer"),
+        ("b", [float("nan"), 1], 0, "not an integer"),
+        ("m", [0, float("inf")], 1, "not an integer"),
+        ("sin", [0, 2], 1, "not a flag"),
+        ("p", [1, "2"], 1, "not an integer"),
+        ("a", [[1], [2]], None, "one-dimensional"),
+        ("a", [1, 2, 3], None, "has 3 entries"),
+        ("a", "12", None, "sequence of integers"),
+        ("a", [1, None], 1, "not an integer"),
+    ],
+)
+def test_bad_values_name_field_and_index(field, value, index, match):
+    kw = dict(FULL)
+    kw[field] = value
+    with pytest.raises(InvalidCosts, match=match) as ei:
+        ChainCosts(**kw)
+    assert ei.value.field == field
+    assert ei.value.index == index
+    assert field in str(ei.value)
+
+
+def test_empty_and_static_errors():
+    with pytest.raises(InvalidCosts, match="at least one layer"):
+        ChainCosts.additive([], [], [])
+    with pytest.raises(InvalidCosts, match="static"):
+        ChainCosts.additive([0], [1], [1], static=-1)
+    with pytest.raises(InvalidCosts, match="static"):
+        ChainCosts.additive([0], [1], [1], static=0.5)
+    with pytest.raises(InvalidCosts, match=r"2\*\*60"):
+        ChainCosts.additive([0], [2**61], [1])
+    with pytest.raises(InvalidCosts, match="names"):
+        ChainCosts.additive([0], [1], [1], names=["a", "b"])
+    assert issubclass(InvalidCosts, ValueError)
+
+
+@given(full_costs(max_n=6))
+def test_json_round_trip_full(c):
+    assert ChainCosts.from_json(c.to_json()) == c
+
+
+@given(additive_costs(max_n=6))
+def test_json_round_trip_additive(c):
+    assert ChainCosts.from_json(c.to_json(indent=None)) == c
+
+
+def test_json_file_round_trip(tmp_path):
+    c = ChainCosts(**FULL, static=3, names=["conv", "relu"])
+    path = tmp_path / "c.json"
+    c.to_json(path)
+    back = ChainCosts.from_json(path)
+    assert back == c and back.names == ("conv", "relu")
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"kind": "full", "layers": {"a": [1]', "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"format": "other", "layers": {}}', "not a ckptopt cost file"),
+        ('{"kind": "full"}', "no 'layers'"),
+        ('{"kind": "weird", "layers": {}}', "unknown cost model kind"),
+        ('{"kind": "additive", "layers": {"w": [0], "h": [1]}}', "lacks field"),
+        ('{"kind": "additive", "layers": {"w": [0], "h": [1], "q": [1], "z": [1]}}', "unknown field"),
+        ('{"kind": "additive", "layers": {"w": [0], "h": [-1], "q": [1]}}', "negative"),
+    ],
+)
+def test_corrupt_json(tmp_path, text, match):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(InvalidCosts, match=match):
+        ChainCosts.from_json(path)
+
+
+def test_missing_file():
+    with pytest.raises(InvalidCosts, match="cannot read"):
+        ChainCosts.from_json("/nonexistent/costs.json")
+
+
+def test_truncated_real_file(tmp_path):
+    text = ChainCosts(**FULL).to_json()
+    path = tmp_path / "t.json"
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(InvalidCosts, match="truncated"):
+        ChainCosts.from_json(path)
+
+
+def test_kernel_arrays_backward_term_is_exactly_additive():
+    # Full-model backward terms equal P[i]-P[l]+qb[i]; spot-check a case by hand:
+    # layer 0 saves its input (the model input), layer 1 saves output; x0 is kept by nobody.
+    c = ChainCosts(a=[10, 20], p=[0, 0], sin=[1, 0], sout=[0, 1], m=[0, 5], f=[0, 0], b=[0, 0])
+    P, qb, *_ = c.kernel_arrays
+    assert list(P) == [0, 0, 25]  # h0 = 0 (x0 not saved), h1 = m1 + a1 = 25
+    assert list(qb) == [0 + 10, 5 + 20 + 20]
