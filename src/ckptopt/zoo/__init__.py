@@ -1,0 +1,208 @@
+"""Model zoo: standard networks in their published layouts, with example inputs.
+
+>>> from ckptopt import zoo
+>>> model, inputs = zoo.get("resnet50", batch_size=2, input_size=64)
+>>> logits = model(*inputs)
+
+:func:`get` builds the model under ``torch.manual_seed(seed)`` (two calls with
+the same seed give identical weights) and returns it with a tuple of
+positional example inputs drawn from a generator seeded with the same seed:
+
+==============  ====================================  ===================
+name            example inputs                         defaults (B, size)
+==============  ====================================  ===================
+vgg*, resnet*,  images (B, 3, S, S), ``dtype``         2, 64
+densenet121,
+mobilenet_v2
+unet            images (B, in_channels, S, S)          1, 64
+gpt             token ids (B, S) int64, S <= seq_len   2, min(128, seq_len)
+mlp             features (B, in_features)              32, in_features
+==============  ====================================  ===================
+
+For ``mlp``, ``input_size`` (if given) is the number of input features, i.e.
+the same as ``in_features``. Extra keyword arguments go to the model's
+constructor (``num_classes``, ``batch_norm`` for VGG, ``base`` for U-Net,
+``depth/width/heads/seq_len/vocab/dropout/sdpa`` for GPT, ...).
+
+Names of the form ``"torchvision:<name>"`` build ``torchvision.models.<name>``
+(random weights) when torchvision imports; inputs are (B, 3, S, S) images,
+default 2, 224.
+
+All zoo models are traceable by :func:`torch.fx.symbolic_trace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .gpt import GPT, gpt
+from .mlp import MLPChain, mlp
+from .unet import UNet, unet
+from .vision import (
+    VGG,
+    DenseNet,
+    MobileNetV2,
+    ResNet,
+    densenet121,
+    mobilenet_v2,
+    resnet18,
+    resnet50,
+    resnet101,
+    resnet152,
+    vgg16,
+    vgg19,
+)
+
+__all__ = [
+    "get",
+    "names",
+    "PUBLISHED_PARAM_COUNTS",
+    "VGG",
+    "ResNet",
+    "DenseNet",
+    "MobileNetV2",
+    "UNet",
+    "GPT",
+    "MLPChain",
+    "vgg16",
+    "vgg19",
+    "resnet18",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "densenet121",
+    "mobilenet_v2",
+    "unet",
+    "gpt",
+    "mlp",
+]
+
+_IMAGE = "image"
+_TOKENS = "tokens"
+_FEATURES = "features"
+
+# name -> (constructor, input kind, default batch size, default input size)
+_REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str, int, Optional[int]]] = {
+    "vgg16": (vgg16, _IMAGE, 2, 64),
+    "vgg19": (vgg19, _IMAGE, 2, 64),
+    "resnet18": (resnet18, _IMAGE, 2, 64),
+    "resnet50": (resnet50, _IMAGE, 2, 64),
+    "resnet101": (resnet101, _IMAGE, 2, 64),
+    "resnet152": (resnet152, _IMAGE, 2, 64),
+    "densenet121": (densenet121, _IMAGE, 2, 64),
+    "mobilenet_v2": (mobilenet_v2, _IMAGE, 2, 64),
+    "unet": (unet, _IMAGE, 1, 64),
+    "gpt": (gpt, _TOKENS, 2, None),
+    "mlp": (mlp, _FEATURES, 32, None),
+}
+
+#: Parameter counts at the defaults (1000 classes for the ImageNet models;
+#: torchvision's published figures), counting GPT's tied embedding once.
+PUBLISHED_PARAM_COUNTS: Dict[str, int] = {
+    "vgg16": 138_357_544,
+    "vgg19": 143_667_240,
+    "resnet18": 11_689_512,
+    "resnet50": 25_557_032,
+    "resnet101": 44_549_160,
+    "resnet152": 60_192_808,
+    "densenet121": 7_978_856,
+    "mobilenet_v2": 3_504_872,
+    "unet": 31_037_698,
+    "gpt": 124_439_808,
+}
+
+_TV_PREFIX = "torchvision:"
+
+
+def names() -> List[str]:
+    """The zoo's model names, in a fixed order."""
+    return list(_REGISTRY)
+
+
+def _torchvision():
+    try:
+        import torchvision  # noqa: F401
+        import torchvision.models
+    except Exception as e:  # ImportError, or a build mismatched with torch
+        raise ImportError(f"torchvision is not usable here ({type(e).__name__}: {e})") from e
+    return torchvision
+
+
+def get(
+    name: str,
+    batch_size: Optional[int] = None,
+    input_size: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    seed: int = 0,
+    **model_kwargs: Any,
+) -> Tuple[nn.Module, Tuple[torch.Tensor, ...]]:
+    """Build zoo model ``name`` and example inputs for it.
+
+    Returns ``(model, example_inputs)``; ``model(*example_inputs)`` runs.
+    The model is in training mode, cast to ``dtype`` (floating parameters and
+    buffers) and moved to ``device``. Raises :class:`ValueError` for an
+    unknown name (the message lists the valid ones) or bad sizes, and
+    :class:`ImportError` for a ``"torchvision:..."`` name when torchvision
+    does not import.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"model name must be a string, got {name!r}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if input_size is not None and input_size < 1:
+        raise ValueError(f"input_size must be >= 1, got {input_size}")
+    gen = torch.Generator().manual_seed(seed)
+
+    if name.startswith(_TV_PREFIX):
+        tv = _torchvision()
+        tv_name = name[len(_TV_PREFIX):]
+        torch.manual_seed(seed)
+        try:
+            model = tv.models.get_model(tv_name, weights=None, **model_kwargs)
+        except ValueError as e:
+            raise ValueError(f"unknown torchvision model {tv_name!r}: {e}") from e
+        b = 2 if batch_size is None else batch_size
+        s = 224 if input_size is None else input_size
+        x = torch.randn(b, 3, s, s, generator=gen)
+        return model.to(device=device, dtype=dtype), (x.to(device=device, dtype=dtype),)
+
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown model {name!r}; valid names: {', '.join(names())}"
+            f" (or 'torchvision:<name>' when torchvision is installed)"
+        )
+    ctor, kind, default_b, default_s = _REGISTRY[name]
+    b = default_b if batch_size is None else batch_size
+
+    if kind == _FEATURES and input_size is not None:
+        if "in_features" in model_kwargs and model_kwargs["in_features"] != input_size:
+            raise ValueError(
+                f"mlp: input_size={input_size} conflicts with in_features={model_kwargs['in_features']}"
+            )
+        model_kwargs["in_features"] = input_size
+
+    torch.manual_seed(seed)
+    model = ctor(**model_kwargs)
+    model = model.to(device=device, dtype=dtype)
+
+    if kind == _IMAGE:
+        s = default_s if input_size is None else input_size
+        c = model.in_channels if isinstance(model, UNet) else 3
+        x = torch.randn(b, c, s, s, generator=gen)
+        inputs: Tuple[torch.Tensor, ...] = (x.to(device=device, dtype=dtype),)
+    elif kind == _TOKENS:
+        assert isinstance(model, GPT)
+        s = min(128, model.seq_len) if input_size is None else input_size
+        if s > model.seq_len:
+            raise ValueError(f"gpt: input_size={s} exceeds seq_len={model.seq_len}")
+        idx = torch.randint(0, model.vocab, (b, s), generator=gen, dtype=torch.long)
+        inputs = (idx.to(device=device),)
+    else:
+        assert isinstance(model, MLPChain)
+        x = torch.randn(b, model.in_features, generator=gen)
+        inputs = (x.to(device=device, dtype=dtype),)
+    return model, inputs
