@@ -22,6 +22,27 @@ from .solvers import SOLVERS, Plan, solve
 
 __version__ = "0.1.0"
 
+# torch-facing names, imported on first use so that `import ckptopt` (and the
+# solvers) never import torch.
+_LAZY = {
+    "measure_peak": "ckptopt.measure",
+    "measure_peak_detailed": "ckptopt.measure",
+    "measure_layer": "ckptopt.measure",
+    "StorageTracker": "ckptopt.measure",
+    "zoo": "ckptopt.zoo",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(_LAZY[name])
+        value = module if module.__name__.endswith("." + name) else getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptopt' has no attribute {name!r}")
+
 __all__ = [
     "ChainCosts",
     "simulate",
@@ -35,4 +56,7 @@ __all__ = [
     "InfeasibleBudget",
     "ProblemTooLarge",
     "UnknownSolver",
+    "measure_peak",
+    "StorageTracker",
+    "zoo",
 ]
