@@ -15,6 +15,7 @@ from .errors import (
     InvalidCosts,
     InvalidPlan,
     ProblemTooLarge,
+    TraceError,
     UnknownSolver,
 )
 from .simulate import SimResult, simulate
@@ -30,6 +31,8 @@ _LAZY = {
     "measure_layer": "ckptopt.measure",
     "StorageTracker": "ckptopt.measure",
     "zoo": "ckptopt.zoo",
+    "trace": "ckptopt.tracer",
+    "TracedModel": "ckptopt.tracer",
 }
 
 
@@ -56,6 +59,9 @@ __all__ = [
     "InfeasibleBudget",
     "ProblemTooLarge",
     "UnknownSolver",
+    "TraceError",
+    "trace",
+    "TracedModel",
     "measure_peak",
     "StorageTracker",
     "zoo",

@@ -17,6 +17,7 @@ __all__ = [
     "InfeasibleBudget",
     "UnknownSolver",
     "ProblemTooLarge",
+    "TraceError",
 ]
 
 
@@ -75,3 +76,21 @@ class InfeasibleBudget(CkptoptError, ValueError):
             "Raise the budget to at least that, or reduce the batch size "
             "(with gradient accumulation to keep the effective batch)."
         )
+
+
+class TraceError(CkptoptError, RuntimeError):
+    """The tracer cannot turn this model into a cost model.
+
+    The message names the construct (and the module or graph node) that
+    failed and the fallback: ``leaf_modules=[...]`` to treat named submodules
+    as opaque layers.
+
+    Attributes
+    ----------
+    node : str or None
+        The module path or graph node where tracing failed.
+    """
+
+    def __init__(self, message: str, node: str | None = None):
+        super().__init__(message)
+        self.node = node

@@ -81,6 +81,12 @@ def _real_storage(t: torch.Tensor, allow_fake: bool = False) -> torch.UntypedSto
     return storage
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def _storage_key(storage: torch.UntypedStorage) -> int:
     """``data_ptr`` for real memory; for meta/fake storages (which all report 0) a
     negative key unique to the storage object."""
@@ -89,13 +95,14 @@ def _storage_key(storage: torch.UntypedStorage) -> int:
     return storage.data_ptr()
 
 
-def _storage_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], exclude: set[int] = frozenset()) -> tuple[int, set[int]]:
-    """Total bytes of the distinct storages of ``tensors`` (by data_ptr), minus ``exclude``."""
+def _storage_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], exclude: set[int] = frozenset(),
+                   fake: bool = False) -> tuple[int, set[int]]:
+    """Total bytes of the distinct storages of ``tensors`` (by storage key), minus ``exclude``."""
     seen: dict[int, int] = {}
     for t in tensors:
-        s = _real_storage(t)
-        if s is not None and s.data_ptr() not in exclude:
-            seen[s.data_ptr()] = s.nbytes()
+        s = _real_storage(t, fake)
+        if s is not None and _storage_key(s) not in exclude:
+            seen[_storage_key(s)] = s.nbytes()
     return sum(seen.values()), set(seen)
 
 
@@ -691,7 +698,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
     fresh copy of ``example_input`` that requires grad and that nothing else
     references, under a :class:`StorageTracker` (exact live-storage counts)
     and a ``saved_tensors_hooks`` pack hook (which storages autograd saves).
-    Storages are compared by ``untyped_storage().data_ptr()``.
+    Storages are compared by ``untyped_storage().data_ptr()``. Under a
+    ``FakeTensorMode`` (fake input and parameters, call inside the mode) the
+    same figures come out without allocating anything; fake storages are
+    compared by identity.
 
     Parameters
     ----------
@@ -765,27 +775,28 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
             f"measure_layer takes one example input tensor, got {type(example_input).__name__}; "
             "measure_layer(layer, x) measures a layer with one tensor input and one tensor output"
         )
-    dev = _resolve_device(module, (example_input,), None, "measure_layer")
-    param_bytes, param_ptrs = _storage_bytes(list(module.parameters()))
-    buffer_bytes, buffer_ptrs = _storage_bytes(list(module.buffers()), exclude=param_ptrs)
+    fake = _is_fake(example_input)
+    dev = example_input.device if fake else _resolve_device(module, (example_input,), None, "measure_layer")
+    param_bytes, param_ptrs = _storage_bytes(list(module.parameters()), fake=fake)
+    buffer_bytes, buffer_ptrs = _storage_bytes(list(module.buffers()), exclude=param_ptrs, fake=fake)
 
     with _no_lasting_state(module, (), dev):
         gc.collect()
         holder = [example_input.detach().clone()]
         anchor = torch.empty(0, device=dev, requires_grad=True)
         x = _FreshInput.apply(anchor, holder)
-        x_ptr = x.untyped_storage().data_ptr()
+        x_ptr = _storage_key(x.untyped_storage())
         input_bytes = x.untyped_storage().nbytes()
 
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            s = _real_storage(t)
+            s = _real_storage(t, fake)
             if s is not None:
-                saved[s.data_ptr()] = s.nbytes()
+                saved[_storage_key(s)] = s.nbytes()
             return t
 
-        tracker = StorageTracker()
+        tracker = StorageTracker(fake=fake)
         tracker.register(module, x)
         start = tracker.current_bytes
         try:
@@ -803,8 +814,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
                         "the layer's output does not require grad (it is detached, or computed under "
                         "torch.no_grad()), so it has no backward pass to measure"
                     )
-                ys = _real_storage(y)
-                y_ptr = ys.data_ptr() if ys is not None else None
+                ys = _real_storage(y, fake)
+                y_ptr = _storage_key(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
                 record: dict[str, int] = {}
                 end = _InjectGrad.apply(y, record)
