@@ -691,7 +691,7 @@ class _InjectGrad(torch.autograd.Function):
         return g, None
 
 
-def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasurement:
+def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -709,6 +709,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
         One layer of a chain: one tensor in, one tensor out.
     example_input : Tensor
         Its input (copied; the original is not counted or modified).
+    input_requires_grad : bool, default True
+        Whether the input requires grad, as it does inside a model. Pass
+        False for a first layer fed with data: then no input gradient is
+        computed (it would otherwise be counted in ``b``).
 
     Returns
     -------
@@ -729,7 +733,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
         ``m``
             bytes of the storages in ``S`` other than the input, the output,
             parameters and buffers (statistics, dropout masks, intermediates
-            of a composite module).
+            of a composite module). Saved storages that existed before the
+            layer ran and are none of those (autocast's cached low-precision
+            copies of the weights) are left out: they are static.
         ``f``
             forward peak minus ``P + Buf + X``: what the forward adds at its
             highest point (the output, the saved extras and any transient).
@@ -781,10 +787,14 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
     buffer_bytes, buffer_ptrs = _storage_bytes(list(module.buffers()), exclude=param_ptrs, fake=fake)
 
     with _no_lasting_state(module, (), dev):
-        gc.collect()
+        if not fake:  # stale fake storages are not in the new tracker: no need to collect them
+            gc.collect()
         holder = [example_input.detach().clone()]
-        anchor = torch.empty(0, device=dev, requires_grad=True)
-        x = _FreshInput.apply(anchor, holder)
+        if input_requires_grad:
+            anchor = torch.empty(0, device=dev, requires_grad=True)
+            x = _FreshInput.apply(anchor, holder)
+        else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
+            x = holder.pop()
         x_ptr = _storage_key(x.untyped_storage())
         input_bytes = x.untyped_storage().nbytes()
 
@@ -792,7 +802,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor) -> LayerMeasur
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             s = _real_storage(t, fake)
-            if s is not None:
+            # only storages this layer created, or registered below (parameters, buffers,
+            # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
+            if s is not None and tracker.is_tracked(t):
                 saved[_storage_key(s)] = s.nbytes()
             return t
 

@@ -420,7 +420,11 @@ def trace(
     Notes
     -----
     Under an active ``torch.autocast`` context the layers are measured as
-    they run under it (bf16/fp16 activations where autocast casts).
+    they run under it (bf16/fp16 activations where autocast casts), and the
+    weight copies autocast caches for the step count as static memory (the
+    figures assume backward runs inside the same autocast context, as
+    :func:`ckptopt.measure_peak` does; with backward outside it the cache is
+    dropped earlier and the prediction errs high by at most that amount).
     """
     from torch._dynamo.utils import deepcopy_to_fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -436,6 +440,7 @@ def trace(
     with fake_mode, torch.enable_grad():
         out = rec.run(*fake_args)
     values = dict(rec.values)  # keyed by the nodes of fake_gm
+    cast_cache_bytes = _autocast_cache_bytes(fake_gm, fake_args, fake_mode)
     if not any(t.requires_grad for t in _tensors(out)):
         raise ValueError(
             "the model's output does not require grad on these inputs (no trainable parameter reaches it); "
@@ -466,7 +471,7 @@ def trace(
                     node=members[0].name,
                 )
             try:
-                m = measure_layer(module, x)
+                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad))
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -493,12 +498,33 @@ def trace(
     costs = ChainCosts(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
-        b=[l.costs.b for l in layers], static=param_bytes + buffer_bytes + input_bytes,
+        b=[l.costs.b for l in layers], static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
         names=[l.name for l in layers],
     )
     graph = _nx_graph(gm, values, fake_gm)
     return TracedModel(gm, graph, layers, costs, opaque, input_bytes, param_bytes, buffer_bytes,
                        tuple(tuple(t.shape) for t in _tensors(list(args))), loss_fn)
+
+
+def _autocast_cache_bytes(fake_gm: fx.GraphModule, fake_args: list, fake_mode) -> int:
+    """Bytes of the low-precision weight copies autocast caches for the whole step.
+
+    Under ``torch.autocast`` every cast of a parameter is cached until the
+    autocast context exits, so the copies are static memory. Measured by
+    running the forward once more (fake, no grad) under a storage tracker and
+    keeping what survives once its outputs are dropped. 0 without autocast.
+    """
+    from .measure import StorageTracker
+
+    if not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return 0
+    tracker = StorageTracker(fake=True)
+    with fake_mode, torch.no_grad(), tracker:
+        out = fake_gm(*fake_args)
+        del out
+    left = tracker.current_bytes
+    tracker.detach()
+    return int(left)
 
 
 def _distinct(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

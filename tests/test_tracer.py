@@ -1,0 +1,213 @@
+"""The tracer: cuts, opaque layers, errors, and predictions against measured memory."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ckptopt import TraceError, simulate, solve, zoo
+from ckptopt.measure import measure_peak
+from ckptopt.tracer import trace
+
+
+def rel_err(pred, meas):
+    return abs(pred - meas) / meas
+
+
+class Residual(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(x + self.conv2(torch.relu(self.bn(self.conv1(x)))))
+
+
+class ResNetish(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(Residual(c), Residual(c), Residual(c))
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.head(x.mean((2, 3)))
+
+
+def chain():
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(0.2), nn.Linear(256, 256), nn.GELU(),
+                         nn.LayerNorm(256), nn.Linear(256, 10))
+
+
+@pytest.mark.parametrize(
+    "make, x",
+    [(chain, torch.randn(32, 64)), (ResNetish, torch.randn(4, 3, 16, 16))],
+    ids=["chain", "residual-dag"],
+)
+def test_prediction_matches_measured_peak(make, x):
+    torch.manual_seed(0)
+    model = make()
+    tm = trace(model, (x,))
+    pred = simulate(tm.costs, ()).peak_bytes
+    meas = measure_peak(model, (x,))
+    # measured to the byte but for the scalar loss and its gradient (8 bytes)
+    assert rel_err(pred, meas) < 0.005, (pred, meas)
+    assert tm.costs.static == tm.param_bytes + tm.buffer_bytes + tm.input_bytes
+
+
+def test_chain_is_cut_at_every_op_and_dag_at_block_boundaries():
+    tm = trace(chain(), (torch.randn(4, 64),))
+    assert [l.ops for l in tm.layers][:3] == [("Linear",), ("ReLU",), ("Dropout",)]
+    assert tm.layers[-1].name == "loss" and tm.n == 8
+    tm = trace(ResNetish(), (torch.randn(2, 3, 8, 8),))
+    names = [l.name for l in tm.layers]
+    # inside a residual block two tensors are live, so each block is one layer
+    assert "blocks.0" in names and "blocks.1" in names and "blocks.2" in names
+    block = tm.layers[names.index("blocks.1")]
+    assert block.ops.count("Conv2d") == 2 and "add" in block.ops
+    g = tm.graph
+    assert g.number_of_nodes() == len(tm.gm.graph.nodes) and g.nodes["stem"]["bytes"] == 2 * 8 * 8 * 8 * 4
+
+
+def test_inplace_and_views_stay_with_their_producer():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    tm = trace(model, (torch.randn(2, 3, 8, 8),))
+    assert tm.layers[0].ops == ("Conv2d", "ReLU", "Flatten")
+    assert rel_err(simulate(tm.costs, ()).peak_bytes, measure_peak(model, (torch.randn(2, 3, 8, 8),))) < 0.005
+
+
+class MaskBlock(nn.Module):
+    """Builds its causal mask from a runtime shape: symbolic_trace fails on it (DESIGN §4)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        att = (q @ k.transpose(1, 2)) / C**0.5
+        att = att.masked_fill(torch.ones(T, T).tril() == 0, float("-inf")).softmax(-1)
+        return x + att @ v
+
+
+class Tiny(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.b1 = MaskBlock(d)
+        self.b2 = MaskBlock(d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.out(self.b2(self.b1(self.inp(x))))
+
+
+def test_untraceable_submodules_become_opaque_layers():
+    x = torch.randn(2, 12, 16)
+    with pytest.raises(Exception):
+        torch.fx.symbolic_trace(Tiny())
+    model = Tiny()
+    tm = trace(model, (x,))
+    assert set(tm.opaque_modules) == {"b1", "b2"}
+    assert "ones" in tm.opaque_modules["b1"] or "argument" in tm.opaque_modules["b1"]
+    assert [l.name for l in tm.layers] == ["inp", "b1", "b2", "out", "loss"]
+    assert rel_err(simulate(tm.costs, ()).peak_bytes, measure_peak(model, (x,))) < 0.005
+    # state_dict keys survive tracing
+    assert tm.gm.state_dict().keys() == model.state_dict().keys()
+
+
+def test_explicit_leaf_modules():
+    model = ResNetish()
+    tm = trace(model, (torch.randn(2, 3, 8, 8),), leaf_modules=["blocks"])
+    assert "blocks" in [l.name for l in tm.layers]
+    tm = trace(model, (torch.randn(2, 3, 8, 8),), leaf_modules=[Residual])
+    assert [l.ops[0] for l in tm.layers if l.name.startswith("blocks")] == ["Residual"] * 3
+    with pytest.raises(TraceError, match="not submodules"):
+        trace(model, (torch.randn(2, 3, 8, 8),), leaf_modules=["nope"])
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow in the model's own forward
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def test_root_control_flow_names_the_construct_and_the_fallback():
+    with pytest.raises(TraceError) as ei:
+        trace(Branchy(), (torch.randn(2, 4),))
+    msg = str(ei.value)
+    assert "control flow" in msg and "leaf_modules" in msg and "Branchy" in msg
+    assert ei.value.node == "Branchy"
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="nn.Module"):
+        trace(lambda x: x, (torch.randn(2),))
+    with pytest.raises(TypeError, match="example_inputs"):
+        trace(chain(), ())
+    frozen = chain().requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameters that require grad"):
+        trace(frozen, (torch.randn(2, 64),))
+    with pytest.raises(ValueError, match="different devices"):
+        trace(chain(), (torch.randn(2, 64, device="meta"),))
+    with pytest.raises(TraceError, match="example inputs") as ei:
+        trace(chain(), (torch.randn(2, 63),))
+    assert ei.value.node is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).to(dtype)
+    x = torch.randn(16, 32, dtype=dtype)
+    tm = trace(model, (x,))
+    assert tm.layers[0].costs.a == 16 * 64 * x.element_size()
+    assert rel_err(simulate(tm.costs, ()).peak_bytes, measure_peak(model, (x,))) < 0.005
+
+
+def test_autocast_bf16_is_traced_as_it_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    x = torch.randn(64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tm = trace(model, (x,))
+        meas = measure_peak(model, (x,))
+    assert tm.layers[0].costs.a == 64 * 64 * 2  # bf16 activations
+    assert rel_err(simulate(tm.costs, ()).peak_bytes, meas) < 0.005
+    plain = trace(model, (x,))
+    assert plain.layers[0].costs.a == 64 * 64 * 4
+
+
+def test_zoo_gpt_prediction_and_solver():
+    model, inputs = zoo.get("gpt", batch_size=2, input_size=32, depth=2, width=32, heads=2, seq_len=32, vocab=50)
+    tm = trace(model, inputs)
+    assert rel_err(simulate(tm.costs, ()).peak_bytes, measure_peak(model, inputs)) < 0.005
+    assert solve(tm.costs, "dp2").peak_bytes < simulate(tm.costs, ()).peak_bytes
+
+
+def test_tracing_allocates_no_activations():
+    # 200k x 1024 float32 activations: 0.8 GB per layer, tens of GB to train.
+    code = (
+        "import resource, torch, torch.nn as nn, torch._dynamo.utils\n"
+        "from ckptopt.tracer import trace\nfrom ckptopt import simulate\n"
+        "m = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(8)])\n"
+        "x = torch.zeros(1, 1024).expand(200_000, 1024)  # a 4 KiB storage standing for a 0.8 GB batch\n"
+        "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "tm = trace(m, (x,))\n"
+        "r1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(simulate(tm.costs, ()).peak_bytes, (r1 - r0) * 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    peak, growth = map(int, out.split())
+    assert peak > 8 * 2**30 and growth < 200 * 2**20, (peak, growth)
