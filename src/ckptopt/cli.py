@@ -1,4 +1,4 @@
-"""Command line: ``ckptopt solve --costs FILE.json``.
+"""Command line: ``ckptopt solve --costs FILE.json``, ``ckptopt profile MODEL``.
 
 Each subcommand prints a table by default and machine-readable output with
 ``--json``. Errors for bad input go to stderr with exit status 2.
@@ -77,6 +77,72 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="a zoo name (resnet50, gpt, ...: see ckptopt.zoo.names()) or package.module:factory "
+                        "returning (model, example_inputs)")
+    p.add_argument("--batch", type=int, metavar="B", help="batch size (default: the zoo's)")
+    p.add_argument("--input-size", type=int, metavar="S", help="image side, sequence length or features")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="parameter/input dtype")
+    p.add_argument("--leaf", action="append", metavar="MODULE",
+                   help="submodule to trace as one opaque layer (repeatable)")
+
+
+def _load_and_trace(args):
+    from ._models import load_model
+    from .tracer import trace
+
+    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
+    model.train()
+    return model, inputs, trace(model, inputs, leaf_modules=args.leaf)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .simulate import simulate
+
+    model, inputs, tm = _load_and_trace(args)
+    costs = tm.costs
+    sim = simulate(costs, ())
+    peak = sim.peak_bytes
+    saved = [l.costs.saved_bytes for l in tm.layers]
+    heavy = set(sorted(range(len(saved)), key=lambda i: -saved[i])[: args.top])
+    rows = [
+        dict(index=l.index, name=l.name, op=l.op, output_bytes=l.costs.a, saved_bytes=saved[i],
+             share_of_peak=saved[i] / peak if peak else 0.0, params_bytes=int(costs.p[i]),
+             saves_input=l.costs.sin, saves_output=l.costs.sout, forward_transient=l.costs.f,
+             backward_transient=l.costs.b, heavy=i in heavy)
+        for i, l in enumerate(tm.layers)
+    ]
+    summary = dict(model=args.model, n_layers=tm.n, static_bytes=costs.static, param_bytes=tm.param_bytes,
+                   buffer_bytes=tm.buffer_bytes, input_bytes=tm.input_bytes,
+                   predicted_peak_bytes=peak, peak_phase=sim.phase, peak_layer=sim.layer,
+                   opaque_modules=tm.opaque_modules)
+    if args.json:
+        json.dump(dict(summary, layers=rows), sys.stdout, indent=1)
+        print()
+        return 0
+    shapes = ", ".join("x".join(map(str, s)) for s in tm.example_shapes)
+    print(f"{args.model}: {tm.n} layers, inputs {shapes} ({args.dtype})")
+    if tm.opaque_modules:
+        for name, why in tm.opaque_modules.items():
+            print(f"  opaque layer {name}: FX could not trace into it ({why})")
+    width = max(len(r["name"]) for r in rows)
+    head = f"{'#':>4} {'layer':<{width}} {'op':<30} {'output':>11} {'saved':>11} {'of peak':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        mark = " <" if r["heavy"] else ""
+        print(f"{r['index']:>4} {r['name']:<{width}} {r['op'][:30]:<30} {format_bytes(r['output_bytes']):>11} "
+              f"{format_bytes(r['saved_bytes']):>11} {100 * r['share_of_peak']:>7.1f}%{mark}")
+    print()
+    print(f"static (parameters {format_bytes(tm.param_bytes)}, buffers {format_bytes(tm.buffer_bytes)}, "
+          f"inputs {format_bytes(tm.input_bytes)}): {format_bytes(costs.static)}")
+    print(f"predicted peak with no checkpointing: {format_bytes(peak)} ({peak} B), "
+          f"reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name})")
+    print(f"'<' marks the {args.top} layers that save the most for backward")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptopt", description="Choose activation checkpoints with the lowest peak training memory."
@@ -90,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SIZE", help="peak-memory budget, e.g. 8GiB, 512MiB or bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_solve)
+
+    p = sub.add_parser("profile", help="trace a model and print per-layer memory (no activation memory needed)")
+    _model_args(p)
+    p.add_argument("--top", type=int, default=5, help="how many memory-heavy layers to mark (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 
@@ -98,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (CkptoptError, ValueError, OSError) as exc:
+    except (CkptoptError, ValueError, TypeError, OSError) as exc:
         print(f"ckptopt {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,66 @@
+"""The command line, run in-process through ckptopt.cli.main."""
+
+import json
+
+import pytest
+
+from ckptopt.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_solve_example_table(capsys):
+    code, out, _ = run(capsys, "solve", "--costs", "example")
+    assert code == 0
+    for name in ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp"):
+        assert f"\n{name} " in out
+    assert "no checkpointing peaks at" in out
+
+
+def test_solve_json_and_budget(capsys, tmp_path):
+    code, out, _ = run(capsys, "solve", "--costs", "example", "--solver", "dp2", "--solver", "none", "--json")
+    data = json.loads(out)
+    peaks = {r["solver"]: r["peak_bytes"] for r in data["results"]}
+    assert peaks["dp2"] < peaks["none"] == data["no_checkpointing_bytes"]
+    code, out, _ = run(capsys, "solve", "--costs", "example", "--solver", "dp2", "--budget", "1MiB", "--json")
+    assert "min_peak_bytes" in json.loads(out)["results"][0]
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["solve", "--costs", "example", "--budget", "12 parsecs"], "not a memory size"),
+        (["solve", "--costs", "/nonexistent.json"], "cannot read"),
+        (["solve", "--costs", "example", "--solver", "magic"], "valid solvers"),
+        (["profile", "nosuchmodel"], "unknown"),
+        (["profile", "nosuchpkg.mod:factory"], "cannot import"),
+    ],
+)
+def test_errors_exit_2_with_message(capsys, argv, match):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and match in err.lower()
+
+
+def test_profile_table_and_json(capsys):
+    code, out, _ = run(capsys, "profile", "resnet18", "--batch", "2", "--input-size", "32")
+    assert code == 0
+    assert "predicted peak with no checkpointing" in out and "layer1.0" in out and " <" in out
+    code, out, _ = run(capsys, "profile", "mlp", "--batch", "4", "--json")
+    data = json.loads(out)
+    assert data["n_layers"] == len(data["layers"]) and data["predicted_peak_bytes"] > data["static_bytes"]
+    assert sum(r["heavy"] for r in data["layers"]) == 5
+
+
+def factory(batch_size=3):
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.randn(batch_size, 8),)
+
+
+def test_profile_user_factory(capsys):
+    code, out, _ = run(capsys, "profile", "tests.test_cli:factory", "--batch", "5", "--json")
+    assert code == 0 and json.loads(out)["input_bytes"] == 5 * 8 * 4
