@@ -32,6 +32,9 @@ _LAZY = {
     "StorageTracker": "ckptopt.measure",
     "zoo": "ckptopt.zoo",
     "trace": "ckptopt.tracer",
+    "optimize_checkpoints": "ckptopt.api",
+    "apply_plan": "ckptopt.rewriter",
+    "CheckpointedModule": "ckptopt.rewriter",
     "TracedModel": "ckptopt.tracer",
 }
 
@@ -47,6 +50,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ckptopt' has no attribute {name!r}")
 
 __all__ = [
+    "optimize_checkpoints",
+    "apply_plan",
+    "CheckpointedModule",
     "ChainCosts",
     "simulate",
     "SimResult",
