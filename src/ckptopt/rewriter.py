@@ -21,7 +21,10 @@ Design note (DESIGN.md section 6):
   recomputation). A forward pre-hook detects recomputation
   (``torch._C._current_graph_task_id() != -1``: the forward runs inside a
   backward), sets ``momentum`` to 0 and remembers ``num_batches_tracked``;
-  a forward hook restores both. Dropout gets the same mask through
+  a forward hook restores both, and so does a callback queued on the
+  autograd engine, because the recomputation can stop inside BatchNorm
+  (when its statistics are the segment's last saved tensors) before any
+  forward hook runs. Dropout gets the same mask through
   checkpoint's ``preserve_rng_state``.
 """
 
@@ -83,6 +86,16 @@ def _segment_module(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.
     return fx.GraphModule(gm, g)
 
 
+def _bn_restore(module: nn.Module) -> None:
+    stack = module.__dict__.get("_ckptopt_saved")
+    if stack:
+        momentum, nbt = stack.pop()
+        module.momentum = momentum
+        if nbt is not None:
+            with torch.no_grad():
+                module.num_batches_tracked.fill_(nbt)
+
+
 def _bn_pre_hook(module: nn.Module, args):
     if module.training and torch._C._current_graph_task_id() != -1:
         # recomputation inside backward: do not update the running statistics again
@@ -90,16 +103,16 @@ def _bn_pre_hook(module: nn.Module, args):
         nbt = module.num_batches_tracked
         stack.append((module.momentum, None if nbt is None else nbt.item()))
         module.momentum = 0.0
+        # The recomputation may stop inside this module's forward (non-reentrant checkpoint
+        # stops once the segment's last saved tensor is rebuilt, e.g. BatchNorm's statistics
+        # at the end of a segment), so the forward hook may never run: restore at the end of
+        # the backward pass as well.
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _bn_restore(module))
 
 
 def _bn_post_hook(module: nn.Module, args, output):
-    stack = module.__dict__.get("_ckptopt_saved")
-    if stack and module.training and torch._C._current_graph_task_id() != -1:
-        momentum, nbt = stack.pop()
-        module.momentum = momentum
-        if nbt is not None:
-            with torch.no_grad():
-                module.num_batches_tracked.fill_(nbt)
+    if module.training and torch._C._current_graph_task_id() != -1:
+        _bn_restore(module)
 
 
 class CheckpointedModule(nn.Module):
@@ -236,6 +249,12 @@ class CheckpointedModule(nn.Module):
                         handles.append(mod.register_forward_pre_hook(_bn_pre_hook))
                         handles.append(mod.register_forward_hook(_bn_post_hook))
         return handles
+
+    def train(self, mode: bool = True) -> "CheckpointedModule":
+        """Set training mode here and on the original model (they share every submodule)."""
+        self.original.train(mode)
+        self.training = mode
+        return self
 
     # -- running ----------------------------------------------------------------
     def _bind(self, args: tuple, kwargs: dict) -> list:

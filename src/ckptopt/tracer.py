@@ -300,7 +300,8 @@ def _groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Node], fx.No
     for j in range(len(bounds) - 1):
         members = ops[bounds[j]:bounds[j + 1]]
         if j == 0:
-            first_in = inputs[0] if len(inputs) == 1 else None
+            tensor_inputs = [n for n in inputs if is_tensor_value(n)]
+            first_in = tensor_inputs[0] if len(tensor_inputs) == 1 else None
         else:
             # the single live tensor at the cut
             first_in = next(n for n in ops[: bounds[j]] if last_use.get(n, -1) >= bounds[j]
@@ -466,8 +467,9 @@ def trace(
             x = values[first_in] if first_in is not None else None
             if x is None or not isinstance(x, torch.Tensor):
                 raise TraceError(
-                    "the model takes several tensor inputs (or a non-tensor first input); "
-                    "tracing supports one tensor input for now: wrap the model so it takes one tensor",
+                    "the model takes several tensor inputs (or none); tracing supports one tensor input "
+                    "(plus non-tensor arguments) for now: wrap the model in a module that takes one "
+                    "tensor, e.g. the inputs stacked or concatenated",
                     node=members[0].name,
                 )
             try:
