@@ -95,3 +95,17 @@ def test_invalid_plans(plan, match):
 
 def test_numpy_integer_plan_accepted():
     assert simulate(mlp3(), np.array([2])).peak_bytes == 300
+
+
+def test_recomputed_layers_follow_the_stop_rule():
+    from ckptopt.simulate import recomputed_layers
+
+    c = mlp3()  # every layer saves only its input
+    assert recomputed_layers(c, ()) == []
+    # segment [0, 1]: layer 1 saves only its input, so only layer 0 is re-run
+    assert recomputed_layers(c, (2,)) == [0]
+    assert recomputed_layers(c, (1, 2)) == []
+    relu = ChainCosts(a=[1] * 3, p=[0] * 3, sin=[1, 0, 1], sout=[0, 1, 0], m=[0] * 3, f=[1] * 3, b=[1] * 3)
+    assert recomputed_layers(relu, (2,)) == [0, 1]  # layer 1 saves its output: re-run to the end
+    add = ChainCosts.additive([0] * 4, [1] * 4, [1] * 4)
+    assert recomputed_layers(add, (2, 3)) == [0, 1, 2]

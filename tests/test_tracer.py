@@ -211,3 +211,31 @@ def test_tracing_allocates_no_activations():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     peak, growth = map(int, out.split())
     assert peak > 8 * 2**30 and growth < 200 * 2**20, (peak, growth)
+
+
+class Tied(nn.Module):
+    """An embedding tied to the output head (GPT-style): the embedding's backward adds its
+    gradient to the head's out of place; the peak is there when the vocabulary is large."""
+
+    def __init__(self, vocab=3000, d=256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mid = nn.Sequential(nn.Linear(d, d), nn.GELU())
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.mid(self.emb(idx)))
+
+
+def test_tied_weights_prediction():
+    torch.manual_seed(0)
+    model = Tied()
+    idx = torch.randint(0, 3000, (2, 8))
+    tm = trace(model, (idx,))
+    sim = simulate(tm.costs, ())
+    assert sim.layer == 0  # the peak is in the embedding's backward
+    assert rel_err(sim.peak_bytes, measure_peak(model, (idx,))) < 0.001
+    # the shared weight is static once and its gradient is charged to the head, the last user
+    assert tm.param_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert int(tm.costs.p[0]) == 0 and int(tm.costs.p[tm.layers.index(next(l for l in tm.layers if l.name == "head"))]) == 3000 * 256 * 4

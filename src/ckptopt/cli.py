@@ -1,4 +1,4 @@
-"""Command line: ``ckptopt solve --costs FILE.json``, ``ckptopt profile MODEL``.
+"""Command line: ``ckptopt optimize MODEL``, ``compare MODEL``, ``profile MODEL``, ``solve --costs FILE.json``.
 
 Each subcommand prints a table by default and machine-readable output with
 ``--json``. Errors for bad input go to stderr with exit status 2.
@@ -143,6 +143,128 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure(module, inputs) -> int:
+    import gc
+
+    from .measure import measure_peak
+
+    gc.collect()
+    return measure_peak(module, inputs)
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from .api import optimize_checkpoints
+    from ._models import load_model
+
+    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
+    model.train()
+    budget = parse_bytes(args.budget) if args.budget else None
+    opt = optimize_checkpoints(model, inputs, solver=args.solver, budget=budget, leaf_modules=args.leaf)
+    result = dict(model=args.model, solver=opt.plan.solver, checkpoints=list(opt.plan.checkpoints),
+                  n_layers=opt.traced.n, predicted_peak_bytes=opt.predicted_peak_bytes,
+                  no_checkpointing_predicted_bytes=opt.baseline_peak_bytes, solve_seconds=opt.plan.solve_seconds)
+    if args.measure:
+        result["no_checkpointing_measured_bytes"] = _measure(model, inputs)
+        result["measured_peak_bytes"] = _measure(opt, inputs)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        return 0
+    print(opt.explain())
+    if args.measure:
+        m, m0 = result["measured_peak_bytes"], result["no_checkpointing_measured_bytes"]
+        err = 100.0 * (m - opt.predicted_peak_bytes) / opt.predicted_peak_bytes
+        print(f"measured (one training step, exact CPU storage tracker): {format_bytes(m)} with the plan "
+              f"({err:+.2f}% from predicted), {format_bytes(m0)} without checkpointing "
+              f"({100.0 * (m - m0) / m0:+.1f}%)")
+    return 0
+
+
+COMPARE_SOLVERS = ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .rewriter import apply_plan
+    from .simulate import recomputed_layers
+
+    model, inputs, tm = _load_and_trace(args)
+    names = args.solvers.split(",") if args.solvers else list(COMPARE_SOLVERS)
+    if "dp" in names and tm.n > 2000 and not args.solvers:
+        names.remove("dp")
+    flops = tm.flops
+    total = sum(flops) or 1
+    rows = []
+    for name in tqdm(names, desc="solvers", disable=not args.measure or args.json, leave=False):
+        plan = solve(tm.costs, name)
+        row = dict(solver=name, predicted_peak_bytes=plan.peak_bytes, segments=len(plan.checkpoints) + 1,
+                   checkpoints=list(plan.checkpoints), solve_seconds=plan.solve_seconds,
+                   recompute_share=sum(flops[i] for i in recomputed_layers(tm.costs, plan.checkpoints)) / total)
+        if args.measure:
+            row["measured_peak_bytes"] = _measure(apply_plan(model, tm, plan), inputs)
+        rows.append(row)
+    base = next((r["predicted_peak_bytes"] for r in rows if r["solver"] == "none"), None)
+    out = dict(model=args.model, n_layers=tm.n, static_bytes=tm.costs.static, rows=rows)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(out, fh, indent=1)
+    if args.csv:
+        import csv
+
+        with open(args.csv, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=[k for k in rows[0] if k != "checkpoints"] + ["checkpoints"])
+            w.writeheader()
+            for r in rows:
+                w.writerow(dict(r, checkpoints=" ".join(map(str, r["checkpoints"]))))
+    if args.png:
+        _bar_chart(args, rows)
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"{args.model}: {tm.n} layers, static {format_bytes(tm.costs.static)}")
+    head = (f"{'solver':<12} {'predicted':>11} {'measured':>11} {'vs none':>8} {'segs':>5} {'recompute':>9} "
+            f"{'solve':>9}  checkpoints")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        meas = format_bytes(r["measured_peak_bytes"]) if "measured_peak_bytes" in r else "-"
+        vs = f"{100.0 * (r['predicted_peak_bytes'] - base) / base:+.1f}%" if base else "-"
+        print(f"{r['solver']:<12} {format_bytes(r['predicted_peak_bytes']):>11} {meas:>11} {vs:>8} "
+              f"{r['segments']:>5} {100 * r['recompute_share']:>8.1f}% {r['solve_seconds'] * 1e3:>7.2f}ms  "
+              f"{_fmt_plan(tuple(r['checkpoints']))}")
+    print("recompute: forward FLOPs re-run in backward, as a share of one forward pass")
+    return 0
+
+
+def _bar_chart(args, rows) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra)") from exc
+    labels = [r["solver"] for r in rows]
+    pred = [r["predicted_peak_bytes"] / 2**20 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    if all("measured_peak_bytes" in r for r in rows):
+        meas = [r["measured_peak_bytes"] / 2**20 for r in rows]
+        ax.bar([x - 0.2 for x in xs], pred, 0.4, label="predicted")
+        ax.bar([x + 0.2 for x in xs], meas, 0.4, label="measured")
+        ax.legend()
+    else:
+        ax.bar(list(xs), pred, 0.6, label="predicted")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, rotation=20)
+    ax.set_ylabel("peak memory of one training step (MiB)")
+    ax.set_title(f"{args.model}: peak memory by solver")
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptopt", description="Choose activation checkpoints with the lowest peak training memory."
@@ -162,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="how many memory-heavy layers to mark (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("optimize", help="choose the checkpoints with the lowest peak for a model and explain them")
+    _model_args(p)
+    p.add_argument("--solver", default="auto", help="auto (default), dp2, dp, linear, or a baseline")
+    p.add_argument("--budget", metavar="SIZE", help="peak-memory budget, e.g. 8GiB")
+    p.add_argument("--measure", action="store_true",
+                   help="also run one real training step with and without the plan and measure the peak")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_optimize)
+
+    p = sub.add_parser("compare", help="every solver side by side on one model")
+    _model_args(p)
+    p.add_argument("--solvers", metavar="A,B,..", help=f"comma-separated (default: {','.join(COMPARE_SOLVERS)})")
+    p.add_argument("--measure", action="store_true", help="measure each plan's real peak (one training step each)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json-out", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
+    p.add_argument("--png", metavar="FILE", help="also draw a bar chart of the peaks")
+    p.set_defaults(func=cmd_compare)
     return parser
 
 

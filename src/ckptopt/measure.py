@@ -38,7 +38,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterable, Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -691,7 +691,8 @@ class _InjectGrad(torch.autograd.Function):
         return g, None
 
 
-def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True) -> LayerMeasurement:
+def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
+                  grads_exist: Iterable[torch.Tensor] = ()) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -713,6 +714,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         Whether the input requires grad, as it does inside a model. Pass
         False for a first layer fed with data: then no input gradient is
         computed (it would otherwise be counted in ``b``).
+    grads_exist : iterable of Parameter, optional
+        Parameters that a later layer of the model also uses (a tied or
+        reused weight): their gradient from that layer is pending when this
+        layer's backward runs. That is
+        reproduced by a zero-valued branch whose gradient reaches them first,
+        so ``b`` includes the out-of-place sum of the two contributions
+        (a third tensor of the weight's size, as PyTorch 2.13's engine does).
 
     Returns
     -------
@@ -808,6 +816,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 saved[_storage_key(s)] = s.nbytes()
             return t
 
+        grads_exist = list(grads_exist)
+        pending = _storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
         tracker = StorageTracker(fake=fake)
         tracker.register(module, x)
         start = tracker.current_bytes
@@ -831,11 +841,18 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 a = ys.nbytes() if ys is not None else 0
                 record: dict[str, int] = {}
                 end = _InjectGrad.apply(y, record)
+                if grads_exist:
+                    # A later layer's gradient for these weights reaches their AccumulateGrad
+                    # first and waits in the engine's input buffer; this layer's contribution
+                    # is then added out of place. A zero branch created last (so its backward
+                    # runs first) reproduces that; its buffered gradient is subtracted below,
+                    # since the chain model counts it among the later layer's gradients.
+                    end = end.sum() + sum((prm * 0).sum() for prm in grads_exist)
                 del x, y, ys
                 # backward
                 backward_start = tracker.current_bytes
                 tracker.reset_peak()
-                end.backward(torch.empty(0, device=dev))
+                end.backward(torch.empty(0, device=dev) if end.dim() else None)
                 backward_peak = tracker.peak_bytes
                 del end
         finally:
@@ -851,7 +868,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         sout=bool(sout),
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
-        b=int(backward_peak - backward_start - record.get("grad_bytes", 0)),
+        b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
     )

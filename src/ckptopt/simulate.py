@@ -19,7 +19,7 @@ from . import _kernels
 from .costs import ChainCosts
 from .errors import InvalidPlan
 
-__all__ = ["simulate", "SimResult", "normalize_plan"]
+__all__ = ["simulate", "SimResult", "normalize_plan", "recomputed_layers"]
 
 _PHASES = ("forward", "recompute", "backward")
 
@@ -111,3 +111,32 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
         starts, costs.n, not costs.is_additive, costs.kernel_arrays
     )
     return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg))
+
+
+def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int]) -> list[int]:
+    """Layers whose forward runs again during backward under this plan.
+
+    Every segment but the last is recomputed from its first layer up to the
+    last layer that saves a tensor it produces (its output or extra tensors);
+    a final layer that saves only its input is not re-run (DESIGN.md section
+    3). For the additive form, where that is unknown, the whole segment.
+    """
+    plan = normalize_plan(costs, checkpoints)
+    starts = (0,) + plan
+    ends = tuple(s - 1 for s in plan) + (costs.n - 1,)
+    out: list[int] = []
+    if costs.is_additive:
+        for l, r in list(zip(starts, ends))[:-1]:
+            out.extend(range(l, r + 1))
+        return out
+    sin, sout, m = costs.sin, costs.sout, costs.m
+    for l, r in list(zip(starts, ends))[:-1]:
+        e = l - 1
+        for i in range(r, l - 1, -1):
+            if sin[i] or sout[i] or m[i] > 0:
+                e = i
+                break
+        if e >= l and not (sout[e] or m[e] > 0):
+            e -= 1
+        out.extend(range(l, e + 1))
+    return out

@@ -70,6 +70,9 @@ class Layer:
         here) and the one leaving it.
     costs : LayerMeasurement
         The measured chain-model quantities.
+    flops : int
+        Forward floating-point operations (``torch.utils.flop_counter``;
+        ops without a formula, such as elementwise ones, count 0).
     """
 
     index: int
@@ -79,6 +82,7 @@ class Layer:
     input_node: str
     output_node: str
     costs: LayerMeasurement
+    flops: int = 0
 
     @property
     def op(self) -> str:
@@ -122,6 +126,11 @@ class TracedModel:
     @property
     def n(self) -> int:
         return len(self.layers)
+
+    @property
+    def flops(self) -> list[int]:
+        """Forward FLOPs of every layer."""
+        return [l.flops for l in self.layers]
 
 
 # --------------------------------------------------------------------------
@@ -455,39 +464,44 @@ def trace(
 
     layers: list[Layer] = []
     param_owner: dict[int, int] = {}
+    built = []
+    for j, (members, first_in) in enumerate(groups):
+        last = j == len(groups) - 1
+        output = model_output if last else groups[j + 1][1]
+        body = _subgraph_module(fake_gm, members, first_in, output, values)
+        module = body if not (last and not single_output) else _WithLoss(body, loss_fn)
+        x = values[first_in] if first_in is not None else None
+        if x is None or not isinstance(x, torch.Tensor):
+            raise TraceError(
+                "the model takes several tensor inputs (or none); tracing supports one tensor input "
+                "(plus non-tensor arguments) for now: wrap the model in a module that takes one "
+                "tensor, e.g. the inputs stacked or concatenated",
+                node=members[0].name,
+            )
+        for p in module.parameters():
+            param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
+        built.append((members, first_in, output, module, x))
     with fake_mode, torch.enable_grad():
-        for j, (members, first_in) in enumerate(groups):
-            last = j == len(groups) - 1
-            if last or len(groups) == 1:
-                output = model_output
-            else:
-                output = groups[j + 1][1]
-            body = _subgraph_module(fake_gm, members, first_in, output, values)
-            module = body if not (last and not single_output) else _WithLoss(body, loss_fn)
-            x = values[first_in] if first_in is not None else None
-            if x is None or not isinstance(x, torch.Tensor):
-                raise TraceError(
-                    "the model takes several tensor inputs (or none); tracing supports one tensor input "
-                    "(plus non-tensor arguments) for now: wrap the model in a module that takes one "
-                    "tensor, e.g. the inputs stacked or concatenated",
-                    node=members[0].name,
-                )
+        for j, (members, first_in, output, module, x) in enumerate(built):
+            # a tied or reused weight whose gradient a later layer already created
+            existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
             try:
-                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad))
+                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad), grads_exist=existing)
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
                     node=members[0].name,
                 ) from exc
-            for p in module.parameters():
-                param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
             layers.append(Layer(j, _layer_name(fake_gm, members), tuple(n.name for n in members),
                                 tuple(_op_label(fake_gm, n) for n in members),
-                                first_in.name, (output.name if isinstance(output, fx.Node) else "<output>"), m))
+                                first_in.name, (output.name if isinstance(output, fx.Node) else "<output>"), m,
+                                _forward_flops(module, x)))
         if single_output:
             y = values[model_output]
-            m = measure_layer(_WithLoss(None, loss_fn), y)
-            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m))
+            loss_layer = _WithLoss(None, loss_fn)
+            m = measure_layer(loss_layer, y)
+            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
+                                _forward_flops(loss_layer, y)))
 
     # parameter bytes are charged to the last layer that uses them (tied weights once)
     fake_params = {id(p): p for p in fake_gm.parameters()}
@@ -506,6 +520,14 @@ def trace(
     graph = _nx_graph(gm, values, fake_gm)
     return TracedModel(gm, graph, layers, costs, opaque, input_bytes, param_bytes, buffer_bytes,
                        tuple(tuple(t.shape) for t in _tensors(list(args))), loss_fn)
+
+
+def _forward_flops(module: nn.Module, x: torch.Tensor) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        module(x.detach().clone())
+    return int(counter.get_total_flops())
 
 
 def _autocast_cache_bytes(fake_gm: fx.GraphModule, fake_args: list, fake_mode) -> int:
