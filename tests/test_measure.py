@@ -282,9 +282,25 @@ def test_bad_loss_fn():
         measure_peak(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=lambda y: y * 2)
 
 
-def test_checkpoints_not_implemented_yet():
-    with pytest.raises(NotImplementedError, match="optimize_checkpoints"):
-        measure_peak(nn.Linear(4, 4), torch.randn(2, 4), checkpoints=(1,))
+def test_checkpoints_and_fake_measurement():
+    """measure_peak(checkpoints=...) measures the rewritten model; fake=True gives the same
+    figure without running the model on real tensors."""
+    from ckptopt import simulate, trace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)], nn.Linear(64, 4))
+    x = torch.randn(128, 64)
+    tm = trace(model, (x,))
+    for plan in [(), (2,), (1, 3, 5), tuple(range(1, tm.n))]:
+        real = measure_peak(model, (x,), checkpoints=plan)
+        assert measure_peak(model, (x,), checkpoints=plan, fake=True) == real
+        assert abs(real - simulate(tm.costs, plan).peak_bytes) <= 8
+    from ckptopt import solve
+
+    best = solve(tm.costs, "dp2")
+    assert measure_peak(model, (x,), checkpoints=best) == best.peak_bytes + 8  # + the scalar loss and its grad
+    big = torch.zeros(1, 64).expand(1_000_000, 64)  # a 256 MB batch, measured without allocating it
+    assert measure_peak(model, (big,), fake=True) > 1_000_000 * 64 * 4
 
 
 # ---------------------------------------------------------------------------

@@ -80,9 +80,10 @@ def test_zoo_numerics_identical_with_every_cut_checkpointed(name):
     tm = trace(model, inputs)
     # "every": every candidate cut is a checkpoint, the most rewriting a plan can do
     opt = apply_plan(model, tm, solve(tm.costs, "every"))
-    assert sum(s.wrapped for s in opt._segments) == tm.n - 1 - (tm.layers[-1].name == "loss") + (
-        tm.layers[-1].name == "loss")
-    assert_same_training(model, inputs, opt)
+    # every model layer is its own checkpointed segment (the loss is outside the module)
+    assert sum(s.wrapped for s in opt._segments) == tm.n - 1
+    # two steps catch a second BatchNorm update; the big ResNets take one to stay quick
+    assert_same_training(model, inputs, opt, steps=1 if name in ("resnet101", "resnet152") else 2)
     assert opt.state_dict().keys() == model.state_dict().keys()
 
 

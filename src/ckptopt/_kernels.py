@@ -1,6 +1,6 @@
 """Compiled (numba, nopython) hot loops shared by the simulator and the solvers.
 
-Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves)``
+Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs)``
 built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
 (False for the additive form, where only the backward term exists).
 
@@ -13,11 +13,18 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 * recompute at i:                 ``G[r] + a[r] + (f[l] | H(l, i) + qf[i])``
   for ``i`` up to the last layer the recomputation runs (it stops once the
   last tensor the segment saves is rebuilt: at the last layer that saves a
-  tensor it produces; a last layer that only saves its input is not run)
+  tensor it produces, a last layer that only saves its input is not run),
+  where that last layer counts its transient only up to its last saved
+  tensor (``fs``/``qs`` instead of ``f``/``qf``)
 * forward at i of the last, unwrapped segment: ``f[l] | H(l, i) + qf[i]``
   (it keeps what it saves instead of recomputing).
 
-The plan's peak is ``static + max_k (sum_{j=1..k} ck[l_j] + D(l_k, r_k))``.
+The plan's peak is ``static + max_k (sum_{j=1..k} c_j + D(l_k, r_k))`` where
+``c_j`` is the checkpoint segment ``j`` holds (DESIGN.md section 4, measured):
+a checkpointed segment holds its input ``ck[l]`` only if it saves at least
+one tensor, and the unwrapped last segment only if its first layer saves its
+input. An input nothing holds is still live while the segment's first layer
+runs, so the forward term at ``i = l`` then adds it (``live_in``).
 Phase codes: 0 forward, 1 recompute, 2 backward.
 """
 
@@ -31,16 +38,36 @@ BIG = 1 << 62
 
 
 @njit(cache=True)
-def segment_peak(l, r, last, full, K):
-    """(peak, phase, layer) of segment [l, r] relative to its checkpoints. O(r - l)."""
-    P, qb, ck, qf, fw, f, G, a, runs, saves = K
+def held_checkpoint(l, r, last, full, K):
+    """Bytes segment [l, r] holds as its checkpoint (0 for the first segment). O(r - l)."""
+    ck, saves, sin = K[2], K[9], K[10]
+    if l == 0:
+        return 0
+    if not full:
+        return ck[l]
+    if last:
+        return ck[l] if sin[l] != 0 else 0
+    for i in range(l, r + 1):
+        if saves[i] != 0:
+            return ck[l]
+    return 0
+
+
+@njit(cache=True)
+def segment_peak(l, r, last, full, K, live_in):
+    """(peak, phase, layer) of segment [l, r] relative to its checkpoints. O(r - l).
+
+    ``live_in``: bytes of the segment's input that no checkpoint holds but that
+    are live while its first layer runs forward.
+    """
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
     Pl = P[l]
     best = NEG
     phase = -1
     layer = -1
     if full:
         if last:
-            v = f[l]
+            v = f[l] + live_in
             if v > best:
                 best, phase, layer = v, 0, l
             for i in range(l + 1, r + 1):
@@ -48,7 +75,7 @@ def segment_peak(l, r, last, full, K):
                 if v > best:
                     best, phase, layer = v, 0, i
         else:
-            v = f[l]
+            v = f[l] + live_in
             if v > best:
                 best, phase, layer = v, 0, l
             for i in range(l + 1, r + 1):
@@ -60,15 +87,17 @@ def segment_peak(l, r, last, full, K):
                 if saves[i] != 0:
                     e = i
                     break
+            partial = e >= l and runs[e] != 0  # layer e runs only up to its last saved tensor
             if e >= l and runs[e] == 0:
-                e -= 1
+                e -= 1  # e only saves its input: the layer before it runs to its end
             if e >= l:
                 base = G[r] + a[r]
-                v = base + f[l]
-                if v > best:
-                    best, phase, layer = v, 1, l
-                for i in range(l + 1, e + 1):
-                    v = base + P[i] - Pl + qf[i]
+                for i in range(l, e + 1):
+                    stop = partial and i == e
+                    if i == l:
+                        v = base + (fs[l] if stop else f[l])
+                    else:
+                        v = base + P[i] - Pl + (qs[i] if stop else qf[i])
                     if v > best:
                         best, phase, layer = v, 1, i
     for i in range(r, l - 1, -1):
@@ -94,9 +123,9 @@ def simulate_plan(starts, n, full, K):
     for k in range(m):
         l = starts[k]
         r = starts[k + 1] - 1 if k + 1 < m else n - 1
-        if k > 0:
-            held += ck[l]
-        v, ph, ly = segment_peak(l, r, k == m - 1, full, K)
+        c = held_checkpoint(l, r, k == m - 1, full, K)
+        held += c
+        v, ph, ly = segment_peak(l, r, k == m - 1, full, K, ck[l] - c if k > 0 else 0)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
@@ -120,8 +149,9 @@ def _plan_from_choice(choice, n):
 def dp_cubic(n, full, K):
     """O(n^3) dynamic program: every segment cost recomputed from scratch.
 
-    V(l) = min_r max(D(l, r), ck[r+1] + V(r+1)); D(l, n-1) is the unwrapped
-    last segment. Returns (optimum without static, checkpoints).
+    V(l) = min_r c(l, r) + max(D(l, r), V(r+1)), with c(l, r) the checkpoint
+    the segment holds; D(l, n-1) is the unwrapped last segment and V(n) = -inf.
+    Returns (optimum without static, checkpoints).
     """
     ck = K[2]
     V = np.empty(n + 1, dtype=np.int64)
@@ -131,12 +161,11 @@ def dp_cubic(n, full, K):
         bestv = BIG
         bestr = -1
         for r in range(l, n):
-            D = segment_peak(l, r, r == n - 1, full, K)[0]
-            if r < n - 1:
-                rest = ck[r + 1] + V[r + 1]
-                val = D if D > rest else rest
-            else:
-                val = D
+            last = r == n - 1
+            c = held_checkpoint(l, r, last, full, K)
+            D = segment_peak(l, r, last, full, K, ck[l] - c if l > 0 else 0)[0]
+            rest = V[r + 1]
+            val = c + (D if D > rest else rest)
             if val <= bestv:  # ties: the longest segment
                 bestv = val
                 bestr = r
@@ -147,8 +176,8 @@ def dp_cubic(n, full, K):
 
 @njit(cache=True)
 def dp_quadratic(n, full, K):
-    """Exact O(n^2) program: the same recurrence, D(l, r) extended as r grows."""
-    P, qb, ck, qf, fw, f, G, a, runs, saves = K
+    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
@@ -162,10 +191,13 @@ def dp_quadratic(n, full, K):
         has_e = False
         bestv = BIG
         bestr = -1
+        seg_saves = False
         for r in range(l, n):
             v = P[r] - Pl + qb[r]
             if v > bwd:
                 bwd = v
+            if saves[r] != 0:
+                seg_saves = True
             if full:
                 if r > l:
                     if fw[r] > fwdw:
@@ -176,7 +208,11 @@ def dp_quadratic(n, full, K):
                         pm = v
                 if saves[r] != 0:
                     if runs[r] != 0:
-                        e_pm = pm
+                        # the recomputation ends inside layer r, at its last saved tensor
+                        v = fs[l] if r == l else P[r] - Pl + qs[r]
+                        e_pm = pm_prev if r > l else NEG
+                        if v > e_pm:
+                            e_pm = v
                         has_e = True
                     elif r > l:
                         e_pm = pm_prev
@@ -191,11 +227,21 @@ def dp_quadratic(n, full, K):
                             D = v
             else:
                 D = bwd
-            if r < n - 1:
-                rest = ck[r + 1] + V[r + 1]
-                val = D if D > rest else rest
+            # the checkpoint this segment holds (DESIGN.md section 4)
+            if l == 0:
+                c = 0
+            elif not full:
+                c = ck[l]
+            elif r == n - 1:
+                c = ck[l] if sin[l] != 0 else 0
             else:
-                val = D
+                c = ck[l] if seg_saves else 0
+            if l > 0 and c == 0:
+                v = ck[l] + f[l]  # the input is live while the first layer runs
+                if v > D:
+                    D = v
+            rest = V[r + 1]
+            val = c + (D if D > rest else rest)
             if val <= bestv:
                 bestv = val
                 bestr = r
@@ -322,9 +368,9 @@ def warmup() -> None:
     n = 3
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one)
+    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one)
     for full in (True, False):
-        segment_peak(0, n - 1, True, full, K)
+        segment_peak(0, n - 1, True, full, K, 0)
         simulate_plan(np.array([0, 2], dtype=np.int64), n, full, K)
         dp_cubic(n, full, K)
         dp_quadratic(n, full, K)

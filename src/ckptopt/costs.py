@@ -15,6 +15,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``f[i]``   forward transient: forward peak minus parameters and input
 ``b[i]``   backward transient: backward peak minus parameters, saved set
            and output gradient (includes the new parameter and input gradients)
+``fs[i]``  (optional) forward transient up to the last tensor the layer saves:
+           a recomputation ending with this layer stops there. Default: ``f[i]``
+           if the layer saves its output or extra tensors, else 0
 ``static`` K: parameters, buffers and the model input
 =========  =================================================================
 
@@ -174,9 +177,16 @@ class ChainCosts:
         b: Sequence[int],
         static: int = 0,
         names: Iterable[str] | None = None,
+        fs: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
+        if fs is not None:
+            values["fs"] = fs
         self._init("full", values, static, names)
+        if fs is None:  # default: a layer re-run to its end if it saves what it produces
+            d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
+            d.setflags(write=False)
+            self._fields["fs"] = d
 
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any) -> None:
@@ -246,13 +256,13 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted))
+        extra = sorted(set(layers) - set(wanted) - ({"fs"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
         names = data.get("names")
         if kind == "full":
-            return cls(**{k: layers[k] for k in wanted}, static=static, names=names)
+            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names)
 
     @classmethod
@@ -349,7 +359,7 @@ class ChainCosts:
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
 
-        ``(P, qb, ck, qf, fw, f, G, a, runs, saves)``: ``P`` (length n+1) the
+        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs)``: ``P`` (length n+1) the
         prefix sums of what each layer leaves saved, ``qb`` the per-layer
         backward term, ``ck`` the bytes a segment starting at a layer holds as
         its checkpoint (``ck[0] = 0``), and for the full form the forward and
@@ -362,7 +372,8 @@ class ChainCosts:
             P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
             ck = w.copy()
             ck[0] = 0
-            return (P, q.copy(), ck, z, z, z, z, z, z, z)
+            one = np.ones(n, dtype=np.int64)
+            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
@@ -378,7 +389,9 @@ class ChainCosts:
         ck = a_prev.copy()
         runs = ((sout > 0) | (m > 0)).astype(np.int64)
         saves = ((runs > 0) | (sin > 0)).astype(np.int64)
-        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves)
+        fs = self._fields["fs"]
+        qs = a_prev * (1 - k_prev) + fs
+        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy())
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.
@@ -392,7 +405,7 @@ class ChainCosts:
         they depend on where the segment ends. The simulator scores the
         resulting plan with the full model.
         """
-        P, qb, ck, qf, fw, f, G, a, runs, saves = self.kernel_arrays
+        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = self.kernel_arrays
         h = np.diff(P)
         if self.kind == "additive":
             return ck, h, qb

@@ -358,12 +358,6 @@ class PeakMeasurement:
     timeline: list[tuple[int, str, int]] | None
 
 
-_CHECKPOINTS_NOT_BUILT = (
-    "measure_peak(checkpoints=...) needs the rewriter (ckptopt.apply_plan), which is not built yet; "
-    "call measure_peak on the module returned by optimize_checkpoints instead"
-)
-
-
 def _normalize_device(d: torch.device) -> torch.device:
     if d.type == "cuda" and d.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -510,12 +504,51 @@ def _train_step(model: nn.Module, args: tuple, loss_fn: Callable | None) -> None
     del loss
 
 
+def _with_checkpoints(model: nn.Module, args: tuple, loss_fn, checkpoints) -> nn.Module:
+    """The model rewritten to checkpoint at ``checkpoints`` (a Plan or segment-start layers)."""
+    from .rewriter import apply_plan
+    from .simulate import normalize_plan, simulate
+    from .solvers import Plan
+    from .tracer import trace
+
+    tm = trace(model, args, loss_fn=loss_fn)
+    if isinstance(checkpoints, Plan):
+        plan = checkpoints
+    else:
+        cps = normalize_plan(tm.costs, checkpoints)
+        plan = Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n)
+    return apply_plan(model, tm, plan)
+
+
+def _measure_fake(model: nn.Module, args: tuple, loss_fn) -> PeakMeasurement:
+    """The tracker's figure for one step of a fake copy of ``model``: nothing is allocated."""
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fm = FakeTensorMode()
+    fmodel = deepcopy_to_fake_tensor(model, fm)
+    for prm in fmodel.parameters():
+        prm.grad = None
+    fargs = tuple(fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    tracker = StorageTracker(timeline=True, fake=True)
+    try:
+        with fm, torch.enable_grad():
+            tracker.register(fmodel, fargs)
+            with tracker:
+                _train_step(fmodel, fargs, loss_fn)
+        dev = next((a.device for a in fargs if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        return PeakMeasurement(tracker.peak_bytes, None, dev, tracker.timeline)
+    finally:
+        tracker.detach()
+
+
 def measure_peak_detailed(
     model: nn.Module,
     example_inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     checkpoints: Any = None,
     device: Any = None,
+    fake: bool = False,
 ) -> PeakMeasurement:
     """Like :func:`measure_peak`, with the reserved bytes, device and timeline.
 
@@ -525,10 +558,12 @@ def measure_peak_detailed(
         ``reserved_bytes`` is set on CUDA only, ``timeline`` on other devices
         only (it lists the live bytes after each operator of the step).
     """
-    if checkpoints is not None:
-        raise NotImplementedError(_CHECKPOINTS_NOT_BUILT)
     _check_module(model, "measure_peak")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if checkpoints is not None:
+        model = _with_checkpoints(model, args, loss_fn, checkpoints)
+    if fake:
+        return _measure_fake(model, args, loss_fn)
     dev = _resolve_device(model, args, device, "measure_peak")
 
     with _no_lasting_state(model, args, dev):
@@ -562,6 +597,7 @@ def measure_peak(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     checkpoints: Any = None,
     device: Any = None,
+    fake: bool = False,
 ) -> int:
     """Peak bytes of one training step: forward, loss, backward.
 
@@ -578,11 +614,17 @@ def measure_peak(
         that over the tensors that require grad in a tuple/list/dict output.
         Not ``.sum()``: its gradient is an expanded 4-byte tensor, which hides
         the output-gradient term (DESIGN.md section 2).
-    checkpoints : None
-        Reserved for measuring a checkpoint plan; not implemented yet.
+    checkpoints : Plan or sequence of int, optional
+        Measure the model rewritten with this plan (traced first; see
+        :func:`ckptopt.apply_plan`) instead of the model as it is.
     device : str or torch.device, optional
         The device to measure; it must be where the model and inputs already
         are (they are never moved). Default: inferred from them.
+    fake : bool, default False
+        Run the step on a fake-tensor copy of the model (``FakeTensorMode``)
+        and count its storages: the same figure as the CPU tracker, for any
+        batch size, without allocating activations (the copy's parameters
+        are fake too). The model itself is not run.
 
     Returns
     -------
@@ -603,8 +645,6 @@ def measure_peak(
         Inputs on another device than the parameters (both are named), or an
         output with nothing requiring grad (no trainable parameters, or a
         detached output), or a ``loss_fn`` that does not return a scalar.
-    NotImplementedError
-        ``checkpoints`` is given.
 
     Notes
     -----
@@ -622,7 +662,7 @@ def measure_peak(
     >>> measure_peak(lin, x)  # W + X + grad(Y) + grad(W) + 8 (loss, its seed grad)
     16120008
     """
-    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints, device).peak_bytes
+    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints, device, fake).peak_bytes
 
 
 # --------------------------------------------------------------------------
@@ -644,6 +684,7 @@ class LayerMeasurement:
     b: int
     buffer_bytes: int = 0
     input_bytes: int = 0
+    fs: int | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -747,6 +788,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         ``f``
             forward peak minus ``P + Buf + X``: what the forward adds at its
             highest point (the output, the saved extras and any transient).
+        ``fs``
+            the forward peak up to the moment the last tensor is saved,
+            minus ``P + Buf + X``: when this layer ends a checkpointed
+            segment, its recomputation stops there (0 when it saves only its
+            input, which is packed before it computes).
         ``b``
             backward peak minus the bytes live when backward starts minus
             the output gradient. Live at the start are ``P + Buf`` and the
@@ -808,12 +854,17 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
 
         saved: dict[int, int] = {}
 
+        last_pack = [None]
+
         def pack(t: torch.Tensor) -> torch.Tensor:
             s = _real_storage(t, fake)
             # only storages this layer created, or registered below (parameters, buffers,
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
             if s is not None and tracker.is_tracked(t):
                 saved[_storage_key(s)] = s.nbytes()
+            # forward peak up to the last saved tensor: where a recomputation of this layer,
+            # the last of its segment, stops (non-reentrant checkpoint stops right there)
+            last_pack[0] = tracker.peak_bytes
             return t
 
         grads_exist = list(grads_exist)
@@ -868,6 +919,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         sout=bool(sout),
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
+        fs=int(last_pack[0] - start) if last_pack[0] is not None else 0,
         b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),

@@ -93,7 +93,7 @@ def _bn_restore(module: nn.Module) -> None:
         module.momentum = momentum
         if nbt is not None:
             with torch.no_grad():
-                module.num_batches_tracked.fill_(nbt)
+                module.num_batches_tracked.copy_(nbt)
 
 
 def _bn_pre_hook(module: nn.Module, args):
@@ -101,7 +101,9 @@ def _bn_pre_hook(module: nn.Module, args):
         # recomputation inside backward: do not update the running statistics again
         stack = module.__dict__.setdefault("_ckptopt_saved", [])
         nbt = module.num_batches_tracked
-        stack.append((module.momentum, None if nbt is None else nbt.item()))
+        # a tensor copy, not .item(): works on fake tensors too (num_batches_tracked is not
+        # saved by BatchNorm's backward, so restoring it in place is safe)
+        stack.append((module.momentum, None if nbt is None else nbt.detach().clone()))
         module.momentum = 0.0
         # The recomputation may stop inside this module's forward (non-reentrant checkpoint
         # stops once the segment's last saved tensor is rebuilt, e.g. BatchNorm's statistics
@@ -243,7 +245,7 @@ class CheckpointedModule(nn.Module):
                 n = nodes.get(nm)
                 if n is None or n.op != "call_module":
                     continue
-                for mod in gm.get_submodule(n.target).modules():
+                for mod in self.get_submodule(n.target).modules():  # this module's tree
                     if isinstance(mod, nn.modules.batchnorm._BatchNorm) and id(mod) not in seen:
                         seen.add(id(mod))
                         handles.append(mod.register_forward_pre_hook(_bn_pre_hook))

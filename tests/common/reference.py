@@ -41,6 +41,7 @@ def _full(c, checkpoints):
     f = [int(x) for x in c.f]
     b = [int(x) for x in c.b]
     m = [int(x) for x in c.m]
+    fs = [int(x) for x in c.fs]
     sin = [bool(x) for x in c.sin]
     sout = [bool(x) for x in c.sout]
     size = {}
@@ -68,11 +69,16 @@ def _full(c, checkpoints):
     # ---- forward
     ckpt = set()  # checkpoints held (inputs of segments 1..k)
     kept = set()  # saved sets kept by the unwrapped last segment
+    def saves_anything(i):
+        return sin[i] or sout[i] or m[i] > 0
+
     for k, (l, r) in enumerate(segs):
-        if k:
+        # DESIGN section 4: a checkpointed segment keeps its input only if it saves
+        # something; the unwrapped last one only if its first layer saves its input
+        if k and (sin[l] if k == last else any(saves_anything(i) for i in range(l, r + 1))):
             ckpt.add(f"x{l - 1}")
         for i in range(l, r + 1):
-            live = ckpt | kept | ({f"x{i - 1}"} if i > l else set())
+            live = ckpt | kept | {f"x{i - 1}"}  # a layer's input is live while it runs
             peak = max(peak, total(live) + f[i])
             if k == last:
                 kept |= saved(i)
@@ -96,7 +102,9 @@ def _full(c, checkpoints):
                 if needed <= seg_saved:
                     break
                 live = held | seg_saved | ({f"x{i - 1}"} if i > l else set())
-                peak = max(peak, total(live) + f[i])
+                # the layer whose saved tensors complete the set is run only up to its last one
+                ends_here = needed <= (seg_saved | saved(i))
+                peak = max(peak, total(live) + (fs[i] if ends_here else f[i]))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
                 if needed <= seg_saved:
                     break

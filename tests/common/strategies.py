@@ -16,9 +16,11 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     ints = st.lists(st.integers(0, hi), min_size=n, max_size=n)
     flags = st.lists(st.booleans(), min_size=n, max_size=n)
     zero_or = st.lists(st.one_of(st.just(0), st.integers(0, hi)), min_size=n, max_size=n)
+    f = draw(ints)
+    fs = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
-        m=draw(zero_or), f=draw(ints), b=draw(ints), static=draw(st.integers(0, hi)),
+        m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
     )
 
 
