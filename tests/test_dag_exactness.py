@@ -14,27 +14,7 @@ from ckptopt import Plan, apply_plan, simulate, solve, zoo
 from ckptopt.measure import StorageTracker
 from ckptopt.tracer import trace
 
-
-class Block(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
-        self.bn = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return torch.relu(x + self.conv2(torch.relu(self.bn(self.conv1(x)))))
-
-
-class ResNetish(nn.Module):
-    def __init__(self, c=4):
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(Block(c), Block(c))
-        self.head = nn.Linear(c, 5)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+from .common.models import ResNetish
 
 
 class DenseNetish(nn.Module):
@@ -84,7 +64,7 @@ def gpt_tiny():
 
 
 CASES = {
-    "resnet-like": lambda: (ResNetish(), (torch.randn(2, 3, 8, 8),)),
+    "resnet-like": lambda: (ResNetish(c=4, blocks=2, classes=5), (torch.randn(2, 3, 8, 8),)),
     "densenet-like": lambda: (DenseNetish(), (torch.randn(2, 3, 8, 8),)),
     "unet-like": lambda: (UNetish(), (torch.randn(2, 3, 8, 8),)),
     "tanh-chain": lambda: (tanh_chain(), (torch.randn(8, 16),)),

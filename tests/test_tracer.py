@@ -11,32 +11,11 @@ from ckptopt import TraceError, simulate, solve, zoo
 from ckptopt.measure import measure_peak
 from ckptopt.tracer import trace
 
+from .common.models import Residual, ResNetish
+
 
 def rel_err(pred, meas):
     return abs(pred - meas) / meas
-
-
-class Residual(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1)
-        self.bn = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return torch.relu(x + self.conv2(torch.relu(self.bn(self.conv1(x)))))
-
-
-class ResNetish(nn.Module):
-    def __init__(self, c=8):
-        super().__init__()
-        self.stem = nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = nn.Sequential(Residual(c), Residual(c), Residual(c))
-        self.head = nn.Linear(c, 10)
-
-    def forward(self, x):
-        x = self.blocks(self.stem(x))
-        return self.head(x.mean((2, 3)))
 
 
 def chain():
