@@ -90,23 +90,29 @@ def _full(c, checkpoints):
         if k == last:
             seg_saved = set(kept)
         else:
-            # recompute layer by layer; a layer's input is packed before it runs and its
-            # output/extra tensors after, and recomputation stops once the segment's
-            # whole saved set is present again.
-            needed = set().union(*(saved(i) for i in range(l, r + 1))) - {f"x{l - 1}"}
-            needed = {s for s in needed if size[s] > 0 or s.startswith("x")}
+            # recompute layer by layer. Non-reentrant checkpoint stops at the last *pack
+            # event* of the segment: a layer packs its input before it computes and its
+            # output/extra tensors after. If the last event is after a layer's compute, that
+            # layer runs up to it (fs); if it is an input pack, the layer before runs fully.
+            events = []
+            for i in range(l, r + 1):
+                if sin[i]:
+                    events.append((i, 0))
+                if sout[i] or m[i] > 0:
+                    events.append((i, 1))
+            stop = max(events) if events else None
             seg_saved = set()
             for i in range(l, r + 1):
+                if stop is None or (i, 0) == stop or i > stop[0]:
+                    if sin[i] and i > l:
+                        seg_saved.add(f"x{i - 1}")
+                    break
                 if sin[i] and i > l:
                     seg_saved.add(f"x{i - 1}")
-                if needed <= seg_saved:
-                    break
                 live = held | seg_saved | ({f"x{i - 1}"} if i > l else set())
-                # the layer whose saved tensors complete the set is run only up to its last one
-                ends_here = needed <= (seg_saved | saved(i))
-                peak = max(peak, total(live) + (fs[i] if ends_here else f[i]))
+                peak = max(peak, total(live) + (fs[i] if (i, 1) == stop else f[i]))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
-                if needed <= seg_saved:
+                if (i, 1) == stop:
                     break
         for i in range(r, l - 1, -1):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"}
