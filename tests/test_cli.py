@@ -64,3 +64,43 @@ def factory(batch_size=3):
 def test_profile_user_factory(capsys):
     code, out, _ = run(capsys, "profile", "tests.test_cli:factory", "--batch", "5", "--json")
     assert code == 0 and json.loads(out)["input_bytes"] == 5 * 8 * 4
+
+
+def test_optimize_measure_json(capsys):
+    code, out, _ = run(capsys, "optimize", "tests.test_cli:deep_factory", "--batch", "1024", "--measure", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["solver"] == "dp2"
+    assert data["predicted_peak_bytes"] < data["no_checkpointing_predicted_bytes"]
+    assert abs(data["measured_peak_bytes"] - data["predicted_peak_bytes"]) <= 8
+    code, out, _ = run(capsys, "optimize", "tests.test_cli:deep_factory", "--batch", "64")
+    assert "predicted peak" in out and "segment 0" in out
+
+
+def test_optimize_infeasible_budget(capsys):
+    code, _, err = run(capsys, "optimize", "tests.test_cli:deep_factory", "--budget", "1KiB")
+    assert code == 2 and "smallest achievable peak" in err
+
+
+def test_compare_outputs(capsys, tmp_path):
+    png, csv_path, js = tmp_path / "c.png", tmp_path / "c.csv", tmp_path / "c.json"
+    code, out, _ = run(capsys, "compare", "tests.test_cli:deep_factory", "--batch", "1024", "--solvers",
+                       "none,sqrt,dp2", "--measure", "--png", str(png), "--csv", str(csv_path),
+                       "--json-out", str(js))
+    assert code == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["solver"] for r in rows] == ["none", "sqrt", "dp2"]
+    for r in rows:
+        assert abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) <= 8
+    assert rows[0]["recompute_share"] == 0 and rows[2]["recompute_share"] > 0
+    assert csv_path.read_text().count("\n") == 4 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "recompute" in out
+
+
+def deep_factory(batch_size=16):
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(64, 2)), (torch.randn(batch_size, 64),)
