@@ -733,7 +733,7 @@ class _InjectGrad(torch.autograd.Function):
 
 
 def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
-                  grads_exist: Iterable[torch.Tensor] = ()) -> LayerMeasurement:
+                  grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -755,6 +755,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         Whether the input requires grad, as it does inside a model. Pass
         False for a first layer fed with data: then no input gradient is
         computed (it would otherwise be counted in ``b``).
+    keep_input : bool, default False
+        Keep the input alive through the backward, as it is inside a model
+        whose previous layer saves its output (a ResNet block's input is the
+        previous block's saved ReLU output): ``b`` then includes the input's
+        storage at every moment the layer alone would already have freed it.
     grads_exist : iterable of Parameter, optional
         Parameters that a later layer of the model also uses (a tied or
         reused weight): their gradient from that layer is pending when this
@@ -899,13 +904,14 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                     # runs first) reproduces that; its buffered gradient is subtracted below,
                     # since the chain model counts it among the later layer's gradients.
                     end = end.sum() + sum((prm * 0).sum() for prm in grads_exist)
+                held_input = x if keep_input else None
                 del x, y, ys
                 # backward
                 backward_start = tracker.current_bytes
                 tracker.reset_peak()
                 end.backward(torch.empty(0, device=dev) if end.dim() else None)
                 backward_peak = tracker.peak_bytes
-                del end
+                del end, held_input
         finally:
             tracker.detach()
 

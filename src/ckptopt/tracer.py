@@ -486,7 +486,10 @@ def trace(
             # a tied or reused weight whose gradient a later layer already created
             existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
             try:
-                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad), grads_exist=existing)
+                # an input the previous layer saves stays alive through this layer's backward
+                keep = bool(layers and layers[-1].costs.sout)
+                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad), grads_exist=existing,
+                                  keep_input=keep)
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -499,7 +502,7 @@ def trace(
         if single_output:
             y = values[model_output]
             loss_layer = _WithLoss(None, loss_fn)
-            m = measure_layer(loss_layer, y)
+            m = measure_layer(loss_layer, y, keep_input=bool(layers and layers[-1].costs.sout))
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 _forward_flops(loss_layer, y)))
 
