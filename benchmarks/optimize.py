@@ -56,11 +56,8 @@ matplotlib imports) and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -71,6 +68,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
+from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from ckptopt import apply_plan, simulate, solve, zoo
 from ckptopt.measure import measure_peak, measure_peak_detailed
 from ckptopt.tracer import trace
@@ -534,13 +532,8 @@ def main() -> None:
     total = time.perf_counter() - t_all
 
     result = dict(
-        benchmark="optimize",
-        date=dt.datetime.now().isoformat(timespec="seconds"),
-        machine=dict(node=platform.node(), platform=platform.platform(), processor=platform.processor(),
-                     python=platform.python_version(), cpus=os.cpu_count(), torch_threads=torch.get_num_threads()),
-        torch=torch.__version__,
+        **run_metadata("optimize"),
         git=dict(at_start=git, at_end=git_state()),
-        command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
         sizes={c: dict(model=CONFIGS[c][0], **CONFIGS[c][1]) for c in names},
         settings=dict(solvers=list(SOLVERS), dp_max_n=DP_MAX_N, rounds=ROUNDS, warmup_rounds=1,
                       checkpoint_sequential_max_segments=CS_MAX, error_target=ERR_TARGET, tie_tolerance=TIE_TOL,

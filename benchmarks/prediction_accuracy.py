@@ -26,12 +26,9 @@ densenet121, mobilenet_v2, unet, gpt: target <= 5%). Writes
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import inspect
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -39,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from ckptopt import simulate, zoo
 from ckptopt.measure import measure_layer, measure_peak
 from ckptopt.tracer import _subgraph_module, _WithLoss, trace
@@ -244,13 +242,7 @@ def main() -> None:
     total = time.perf_counter() - t_all
 
     result = dict(
-        benchmark="prediction_accuracy",
-        date=dt.datetime.now().isoformat(timespec="seconds"),
-        machine=dict(node=platform.node(), platform=platform.platform(), processor=platform.processor(),
-                     python=platform.python_version(), cpus=os.cpu_count(),
-                     torch_threads=torch.get_num_threads()),
-        torch=torch.__version__,
-        command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        **run_metadata("prediction_accuracy"),
         targets={"chain": TARGET[CHAIN], "DAG": TARGET[DAG]},
         total_seconds=total,
         all_within_target=all(r["within_target"] for r in rows),

@@ -30,11 +30,8 @@ and prints a Markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
-import os
-import platform
 import resource
 import statistics
 import sys
@@ -44,6 +41,7 @@ from pathlib import Path
 import torch
 import torch._dynamo.utils  # noqa: F401  - its first import (seconds) is not part of a trace
 
+from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from ckptopt import simulate, solve, zoo
 from ckptopt.tracer import trace
 
@@ -167,13 +165,7 @@ def main() -> None:
         rows.append(run_model(key, args.repeats))
     total = time.perf_counter() - t_all
     result = dict(
-        benchmark="tracing_time",
-        date=dt.datetime.now().isoformat(timespec="seconds"),
-        machine=dict(node=platform.node(), platform=platform.platform(), processor=platform.processor(),
-                     python=platform.python_version(), cpus=os.cpu_count(),
-                     torch_threads=torch.get_num_threads()),
-        torch=torch.__version__,
-        command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        **run_metadata("tracing_time"),
         repeats=args.repeats,
         target_seconds=TARGET_S,
         total_seconds=total,

@@ -1,6 +1,5 @@
 """The cost model: construction, validation, JSON round trips."""
 
-import json
 
 import numpy as np
 import pytest

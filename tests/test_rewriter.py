@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ckptopt import InfeasibleBudget, UnknownSolver, apply_plan, optimize_checkpoints, simulate, solve, zoo
+from ckptopt import InfeasibleBudget, UnknownSolver, apply_plan, optimize_checkpoints, solve, zoo
 from ckptopt.measure import measure_peak
 from ckptopt.tracer import trace
 

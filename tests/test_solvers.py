@@ -1,6 +1,5 @@
 """Every solver against the brute-force oracle, the simulator and hand cases."""
 
-import math
 import warnings
 
 import numpy as np

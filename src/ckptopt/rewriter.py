@@ -30,7 +30,6 @@ Design note (DESIGN.md section 6):
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable

@@ -31,11 +31,8 @@ traces in a few MB.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 import networkx as nx
 import torch
@@ -187,11 +184,13 @@ def _symbolic_trace(model: nn.Module, leaf_modules: Iterable[str | type] | None)
             f"valid names look like {list(known)[1:4]} (see model.named_modules())"
         )
     opaque: dict[str, str] = {}
+    last: _Retry | None = None
     for _ in range(len(known) + 1):
         tracer = _LeafTracer(names | set(opaque), types)
         try:
             graph = tracer.trace(model)
         except _Retry as r:
+            last = r
             if r.qualname in opaque or r.qualname == "":
                 break
             opaque[r.qualname] = _construct(r.cause)
@@ -206,10 +205,11 @@ def _symbolic_trace(model: nn.Module, leaf_modules: Iterable[str | type] | None)
             ) from exc
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         return gm, opaque
+    assert last is not None
     raise TraceError(
-        f"torch.fx cannot trace submodule {r.qualname!r} even as an opaque layer: {_construct(r.cause)}. "
+        f"torch.fx cannot trace submodule {last.qualname!r} even as an opaque layer: {_construct(last.cause)}. "
         "Pass leaf_modules=[...] naming a coarser submodule to treat as one layer.",
-        node=r.qualname,
+        node=last.qualname,
     )
 
 
@@ -271,8 +271,6 @@ def _groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Node], fx.No
     ops = [n for n in nodes if n.op in ("call_module", "call_function", "call_method")]
     pos = {n: i for i, n in enumerate(ops)}
     inputs = [n for n in nodes if n.op == "placeholder"]
-    out_node = next(n for n in nodes if n.op == "output")
-
     def is_tensor_value(n):
         v = values.get(n)
         return bool(_tensors(v))
