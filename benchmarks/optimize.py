@@ -521,7 +521,27 @@ def main() -> None:
     git = git_state()  # before the run: others commit while it goes
     torch.manual_seed(0)
     t_all = time.perf_counter()
-    results = []
+    results: list[dict] = []
+
+    def write(done: bool) -> None:
+        """The JSON after every model (``complete`` false until the last), so a killed run leaves its part."""
+        result = dict(
+            **run_metadata("optimize"),
+            git=dict(at_start=git, at_end=git_state() if done else None),
+            complete=done,
+            sizes={c: dict(model=CONFIGS[c][0], **CONFIGS[c][1]) for c in names},
+            settings=dict(solvers=list(SOLVERS), dp_max_n=DP_MAX_N, rounds=ROUNDS, warmup_rounds=1,
+                          checkpoint_sequential_max_segments=CS_MAX, error_target=ERR_TARGET, tie_tolerance=TIE_TOL,
+                          loss="out.float().pow(2).mean()", rel_error="(predicted - measured) / measured"),
+            total_seconds=time.perf_counter() - t_all,
+            summary={r["config"]: {k: v["status"] for k, v in r["targets"].items()} for r in results},
+            models=results,
+        )
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(args.out)
+
     for cfg in names:
         log(f"{cfg}: {CONFIGS[cfg]}")
         results.append(run_model(cfg))
@@ -529,21 +549,9 @@ def main() -> None:
         log(f"{cfg}: done in {r['seconds']['total']:.0f} s (trace {r['seconds']['trace']:.1f} s)")
         for line in target_lines([r]):
             log(line)
+        write(done=False)
     total = time.perf_counter() - t_all
-
-    result = dict(
-        **run_metadata("optimize"),
-        git=dict(at_start=git, at_end=git_state()),
-        sizes={c: dict(model=CONFIGS[c][0], **CONFIGS[c][1]) for c in names},
-        settings=dict(solvers=list(SOLVERS), dp_max_n=DP_MAX_N, rounds=ROUNDS, warmup_rounds=1,
-                      checkpoint_sequential_max_segments=CS_MAX, error_target=ERR_TARGET, tie_tolerance=TIE_TOL,
-                      loss="out.float().pow(2).mean()", rel_error="(predicted - measured) / measured"),
-        total_seconds=total,
-        summary={r["config"]: {k: v["status"] for k, v in r["targets"].items()} for r in results},
-        models=results,
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write(done=True)
     png = args.out.with_suffix(".png")
     wrote_png = plot(results, png)
     print("Measured peak, MiB (exact CPU storage tracker, one training step):\n")
