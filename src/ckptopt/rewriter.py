@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .simulate import simulate
 from .solvers import Plan
-from .tracer import TracedModel
+from .tracer import TracedModel, _subgraph_module
 from .units import format_bytes
 
 __all__ = ["apply_plan", "CheckpointedModule"]
@@ -61,28 +61,6 @@ class _Segment:
 
 def _graph_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return {n.name: n for n in gm.graph.nodes}
-
-
-def _segment_module(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
-                    output: Any) -> fx.GraphModule:
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in inputs:
-        env[n] = g.placeholder(n.name)
-    member_set = set(members)
-
-    def load(a: fx.Node) -> fx.Node:
-        if a not in env:
-            if a.op != "get_attr":
-                raise AssertionError(f"node {a.name} is used by a segment but not passed to it")
-            env[a] = g.get_attr(a.target)
-        return env[a]
-
-    for n in members:
-        env[n] = g.node_copy(n, load)
-    g.output(fx.node.map_arg(output, load))
-    del member_set
-    return fx.GraphModule(gm, g)
 
 
 def _bn_restore(module: nn.Module) -> None:
@@ -228,7 +206,7 @@ class CheckpointedModule(nn.Module):
             else:
                 nxt = nodes[layers[last + 1].input_node]
                 output = tuple([nxt] + [nodes[nm] for nm in exports[k]])
-            sub = _segment_module(gm, members_of[k], inputs, output)
+            sub = _subgraph_module(gm, members_of[k], inputs, output)
             wrapped = not final or not last_plan_seg_includes_model
             segments.append(_Segment(k, first, last, wrapped, final, type(sub), tuple(extras[k]),
                                      tuple(exports[k])))

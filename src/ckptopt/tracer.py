@@ -317,14 +317,22 @@ def _groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Node], fx.No
     return groups
 
 
-def _subgraph_module(gm: fx.GraphModule, members: list[fx.Node], input_node: fx.Node | None,
-                     output: fx.Node | Any, values: dict) -> fx.GraphModule:
-    """A GraphModule running ``members`` on one input, returning ``output``."""
+def _subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node | list[fx.Node] | None,
+                     output: Any, values: dict | None = None) -> fx.GraphModule:
+    """A GraphModule running ``members`` (in order) on ``inputs``, returning ``output``.
+
+    Parameters are read through ``get_attr`` nodes of ``gm``. Any other node
+    the members use must be an input, except, when ``values`` (node -> value of
+    a propagation run) is given, non-tensor values (shapes, ints), which become
+    constants of the subgraph: right for measuring one layer at fixed shapes,
+    not for the rewriter, which passes them as inputs so other shapes work.
+    """
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    member_set = set(members)
-    if input_node is not None:
-        env[input_node] = g.placeholder("x")
+    if isinstance(inputs, fx.Node):
+        inputs = [inputs]
+    for n in inputs or ():
+        env[n] = g.placeholder(n.name)
 
     def load(a: fx.Node):
         if a in env:
@@ -332,19 +340,17 @@ def _subgraph_module(gm: fx.GraphModule, members: list[fx.Node], input_node: fx.
         if a.op == "get_attr":
             env[a] = g.get_attr(a.target)
             return env[a]
-        if a in member_set:
-            raise AssertionError("node used before it is defined")
-        v = values.get(a)
-        if _tensors(v):
+        v = values.get(a) if values is not None else None
+        if values is None or _tensors(v) or a in set(members):
             raise TraceError(
-                f"internal: node {a.name} crosses a candidate cut (please report this model)", node=a.name
+                f"internal: node {a.name} is used by a layer but not passed to it (please report this model)",
+                node=a.name,
             )
         return v  # a non-tensor value (a shape, an int): a constant of the layer
 
     for n in members:
         env[n] = g.node_copy(n, load)
-    result = torch.fx.node.map_arg(output, load) if isinstance(output, (fx.Node, tuple, list, dict)) else output
-    g.output(result)
+    g.output(fx.node.map_arg(output, load))
     return fx.GraphModule(gm, g)
 
 

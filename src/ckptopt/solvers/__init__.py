@@ -113,8 +113,12 @@ def _lookup(solver: str) -> tuple[SolverInfo, str | None]:
 
 
 def _check_budget(budget) -> int:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) and not hasattr(budget, "__index__"):
-        raise ValueError(f"budget must be a number of bytes, got {budget!r}")
+    is_number = isinstance(budget, (int, float)) or hasattr(budget, "__index__")  # numpy integers too
+    if isinstance(budget, bool) or not is_number:
+        raise ValueError(
+            f"budget must be a number of bytes, got {budget!r}; for a size like '8GiB' use "
+            "ckptopt.units.parse_bytes('8GiB')"
+        )
     b = float(budget)
     if math.isnan(b):
         raise ValueError("budget is NaN; give the memory limit in bytes (e.g. 8 * 2**30)")
