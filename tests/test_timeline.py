@@ -1,0 +1,94 @@
+"""The predicted memory timeline against the simulator and the independent reference."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from ckptopt import ChainCosts, InvalidPlan, simulate
+from ckptopt.simulate import recomputed_layers
+from ckptopt.timeline import simulate_timeline
+
+from .common.reference import reference_peak
+from .common.strategies import additive_costs, full_costs
+
+
+@st.composite
+def costs_and_plan(draw, costs_strategy):
+    costs = draw(costs_strategy)
+    cuts = draw(st.sets(st.integers(1, max(1, costs.n - 1)))) if costs.n > 1 else set()
+    return costs, tuple(sorted(cuts))
+
+
+def check_order(costs, plan, events):
+    """Events run forward 0..n-1, then per segment (last first) recompute then backward r..l."""
+    n = costs.n
+    starts = (0,) + plan
+    ends = tuple(s - 1 for s in plan) + (n - 1,)
+    expected = [] if costs.is_additive else [("forward", i) for i in range(n)]
+    rec = set(recomputed_layers(costs, plan))
+    for k in range(len(starts) - 1, -1, -1):
+        l, r = starts[k], ends[k]
+        if not costs.is_additive and k < len(starts) - 1:
+            expected += [("recompute", i) for i in range(l, r + 1) if i in rec]
+        expected += [("backward", i) for i in range(r, l - 1, -1)]
+    assert [(e.phase, e.layer) for e in events] == expected
+
+
+def check_segments_and_static(costs, plan, events):
+    starts = (0,) + plan
+    for e in events:
+        assert e.bytes >= costs.static
+        k = int(np.searchsorted(starts, e.layer, side="right")) - 1
+        assert e.segment == k
+
+
+@given(costs_and_plan(full_costs()))
+def test_full_timeline_peak_is_the_simulated_and_reference_peak(cp):
+    costs, plan = cp
+    events = simulate_timeline(costs, plan)
+    peak = max(e.bytes for e in events)
+    assert peak == simulate(costs, plan).peak_bytes
+    assert peak == reference_peak(costs, plan)
+    check_order(costs, plan, events)
+    check_segments_and_static(costs, plan, events)
+
+
+@given(costs_and_plan(additive_costs()))
+def test_additive_timeline_peak_is_the_simulated_and_reference_peak(cp):
+    costs, plan = cp
+    events = simulate_timeline(costs, plan)
+    assert max(e.bytes for e in events) == simulate(costs, plan).peak_bytes == reference_peak(costs, plan)
+    check_order(costs, plan, events)
+
+
+def test_hand_case_three_linear_layers():
+    # Three Linear-like layers (save their input only), 100-byte activations, no parameters
+    # (the same model as test_simulate.mlp3). No checkpointing:
+    # forward of layer i holds what layers < i saved (x0, x1) + its transient f = 100;
+    # backward of layer 2 holds x0, x1 (saved), g2 and b2: 400; layer 1: x0, g1, b1: 300; layer 0: 200.
+    c = ChainCosts(a=[100] * 3, p=[0] * 3, sin=[1] * 3, sout=[0] * 3, m=[0] * 3, f=[100] * 3, b=[100] * 3)
+    got = [(e.phase, e.layer, e.bytes) for e in simulate_timeline(c, ())]
+    assert got == [
+        ("forward", 0, 100), ("forward", 1, 200), ("forward", 2, 300),
+        ("backward", 2, 400), ("backward", 1, 300), ("backward", 0, 200),
+    ]
+    # plan (2,): segment [0, 1] is checkpointed and re-runs layer 0 only (layer 1 saves only its input)
+    got = [(e.phase, e.layer) for e in simulate_timeline(c, (2,))]
+    assert got == [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 2),
+                   ("recompute", 0), ("backward", 1), ("backward", 0)]
+
+
+def test_bad_plan_is_rejected():
+    c = ChainCosts.additive(w=[0, 1], h=[1, 1], q=[1, 1])
+    with pytest.raises(InvalidPlan):
+        simulate_timeline(c, (5,))
+    with pytest.raises(TypeError, match="ChainCosts"):
+        simulate_timeline([1, 2], ())
+
+
+def test_timeline_module_does_not_import_torch():
+    code = "import sys, ckptopt.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
