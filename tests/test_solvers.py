@@ -203,7 +203,7 @@ def test_solve_rejects_non_costs():
 
 
 def test_registry_and_names():
-    assert set(SOLVERS) == {"brute", "dp", "dp2", "linear", "none", "every", "sqrt", "chen-greedy", "uniform"}
+    assert set(SOLVERS) == {"brute", "dp", "dp2", "linear", "budget", "none", "every", "sqrt", "chen-greedy", "uniform"}
     assert "uniform:K" in solver_names()
 
 

@@ -175,79 +175,266 @@ def dp_cubic(n, full, K):
 
 
 @njit(cache=True)
+def segment_row(l, n, full, K, Cpre, D, hold, rec):
+    """Fill ``D[r]``, ``hold[r]`` and ``rec[r]`` for every segment ``[l, r]``, r = l..n-1. O(n - l).
+
+    ``D[r]``: the segment's peak relative to its checkpoints (``r = n-1`` is the
+    unwrapped last segment), with the live-input term of a segment that holds
+    no checkpoint; ``hold[r]``: the checkpoint it holds (DESIGN.md section 4);
+    ``rec[r]``: the compute it adds by being re-run in backward (0 for the last
+    segment), from the prefix sums ``Cpre`` of the per-layer compute. Each
+    entry costs O(1) after the previous one: the backward and forward terms are
+    running maxima, and the recomputation term is ``G[r] + a[r]`` plus a running
+    maximum taken up to the last layer the recomputation runs, which only moves
+    forward with ``r``.
+    """
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
+    Pl = P[l]
+    bwd = NEG
+    fwdw = f[l]  # wrapped forward, running max
+    pm = f[l]  # running max of the live-forward term (recompute / unwrapped forward)
+    pm_prev = NEG
+    e_pm = NEG  # pm up to the last layer the recomputation runs
+    has_e = False
+    seg_saves = False
+    e = l - 1  # last layer the recomputation runs
+    for r in range(l, n):
+        v = P[r] - Pl + qb[r]
+        if v > bwd:
+            bwd = v
+        if saves[r] != 0:
+            seg_saves = True
+        if full:
+            if r > l:
+                if fw[r] > fwdw:
+                    fwdw = fw[r]
+                pm_prev = pm
+                v = P[r] - Pl + qf[r]
+                if v > pm:
+                    pm = v
+            if saves[r] != 0:
+                if runs[r] != 0:
+                    # the recomputation ends inside layer r, at its last saved tensor
+                    v = fs[l] if r == l else P[r] - Pl + qs[r]
+                    e_pm = pm_prev if r > l else NEG
+                    if v > e_pm:
+                        e_pm = v
+                    has_e = True
+                    e = r
+                elif r > l:
+                    e_pm = pm_prev
+                    has_e = True
+                    e = r - 1
+            if r == n - 1:
+                d = bwd if bwd > pm else pm
+            else:
+                d = bwd if bwd > fwdw else fwdw
+                if has_e:
+                    v = G[r] + a[r] + e_pm
+                    if v > d:
+                        d = v
+        else:
+            d = bwd
+            e = r
+        # the checkpoint this segment holds (DESIGN.md section 4)
+        if l == 0:
+            c = 0
+        elif not full:
+            c = ck[l]
+        elif r == n - 1:
+            c = ck[l] if sin[l] != 0 else 0
+        else:
+            c = ck[l] if seg_saves else 0
+        if l > 0 and c == 0:
+            v = ck[l] + f[l]  # the input is live while the first layer runs
+            if v > d:
+                d = v
+        D[r] = d
+        hold[r] = c
+        rec[r] = 0 if r == n - 1 or e < l else Cpre[e + 1] - Cpre[l]
+
+
+@njit(cache=True)
 def dp_quadratic(n, full, K):
     """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
+    D = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        Pl = P[l]
-        bwd = NEG
-        fwdw = f[l]  # wrapped forward, running max
-        pm = f[l]  # running max of the live-forward term (recompute / unwrapped forward)
-        pm_prev = NEG
-        e_pm = NEG  # pm up to the last layer the recomputation runs
-        has_e = False
+        segment_row(l, n, full, K, Cpre, D, hold, rec)
         bestv = BIG
         bestr = -1
-        seg_saves = False
         for r in range(l, n):
-            v = P[r] - Pl + qb[r]
-            if v > bwd:
-                bwd = v
-            if saves[r] != 0:
-                seg_saves = True
-            if full:
-                if r > l:
-                    if fw[r] > fwdw:
-                        fwdw = fw[r]
-                    pm_prev = pm
-                    v = P[r] - Pl + qf[r]
-                    if v > pm:
-                        pm = v
-                if saves[r] != 0:
-                    if runs[r] != 0:
-                        # the recomputation ends inside layer r, at its last saved tensor
-                        v = fs[l] if r == l else P[r] - Pl + qs[r]
-                        e_pm = pm_prev if r > l else NEG
-                        if v > e_pm:
-                            e_pm = v
-                        has_e = True
-                    elif r > l:
-                        e_pm = pm_prev
-                        has_e = True
-                if r == n - 1:
-                    D = bwd if bwd > pm else pm
-                else:
-                    D = bwd if bwd > fwdw else fwdw
-                    if has_e:
-                        v = G[r] + a[r] + e_pm
-                        if v > D:
-                            D = v
-            else:
-                D = bwd
-            # the checkpoint this segment holds (DESIGN.md section 4)
-            if l == 0:
-                c = 0
-            elif not full:
-                c = ck[l]
-            elif r == n - 1:
-                c = ck[l] if sin[l] != 0 else 0
-            else:
-                c = ck[l] if seg_saves else 0
-            if l > 0 and c == 0:
-                v = ck[l] + f[l]  # the input is live while the first layer runs
-                if v > D:
-                    D = v
             rest = V[r + 1]
-            val = c + (D if D > rest else rest)
+            d = D[r]
+            val = hold[r] + (d if d > rest else rest)
             if val <= bestv:
                 bestv = val
                 bestr = r
         V[l] = bestv
         choice[l] = bestr
     return V[0], _plan_from_choice(choice, n)
+
+
+@njit(cache=True)
+def _grow(arr, size):
+    out = np.empty(max(2 * arr.shape[0], size), dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
+
+
+@njit(cache=True)
+def min_held_prefix(n, full, K, Cpre, cap):
+    """``Hmin[l]``: the least checkpoint bytes held before layer ``l`` over the
+    plans whose segments before ``l`` all stay within ``cap`` (BIG when none).
+
+    A lower bound on what any plan within ``cap`` holds at ``l``: a smaller
+    held amount admits every continuation a larger one admits, so the minimum
+    over predecessors is exact for reachability. O(n^2).
+    """
+    Hmin = np.full(n + 1, BIG, dtype=np.int64)
+    Hmin[0] = 0
+    D = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    for l in range(n - 1):
+        if Hmin[l] >= BIG:
+            continue
+        segment_row(l, n, full, K, Cpre, D, hold, rec)
+        for r in range(l, n - 1):
+            h = Hmin[l] + hold[r]
+            if h + D[r] <= cap and h < Hmin[r + 1]:
+                Hmin[r + 1] = h
+    return Hmin
+
+
+@njit(cache=True)
+def pareto_plans(n, full, K, Cpre, cap):
+    """Every plan that is Pareto-optimal in (peak, recomputation) with peak <= cap.
+
+    ``F(l)``, the Pareto front of the suffix plans from layer ``l`` (a segment
+    starting at ``l``), as ``(relative peak, recompute)`` pairs sorted by peak
+    ascending and recomputation strictly descending::
+
+        F(l) = front { (hold(l,r) + max(D(l,r), p'), rec(l,r) + R') : r >= l, (p', R') in F(r+1) }
+
+    with the last segment ``r = n-1`` contributing ``(hold + D, 0)``. A suffix
+    plan is combined only through ``max(D, p')`` and ``+``, both monotone, so a
+    dominated suffix never helps: the recurrence is exact. For a fixed ``r``
+    the suffix points with ``p' <= D`` give the same peak, so only the last of
+    them (least recomputation) is a candidate. Points whose peak, added to the
+    least checkpoint bytes any plan within ``cap`` holds before ``l``
+    (:func:`min_held_prefix`), exceed ``cap`` are dropped.
+
+    Returns ``(peaks, recomputes, plans_flat, plan_offsets)`` for the front at
+    layer 0 (peaks relative to the static bytes), plan ``k`` being
+    ``plans_flat[plan_offsets[k]:plan_offsets[k+1]]``. Time O(n^2 * F), F the
+    front size.
+    """
+    Hmin = min_held_prefix(n, full, K, Cpre, cap)
+    D = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    size = 1024
+    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, index of the next point
+    pr = np.empty(size, dtype=np.int64)
+    pc = np.empty(size, dtype=np.int64)
+    pn = np.empty(size, dtype=np.int64)
+    used = 0
+    first = np.zeros(n + 1, dtype=np.int64)
+    count = np.zeros(n + 1, dtype=np.int64)
+    cp = np.empty(64, dtype=np.int64)  # candidates of one l
+    cr = np.empty(64, dtype=np.int64)
+    cc = np.empty(64, dtype=np.int64)
+    cn = np.empty(64, dtype=np.int64)
+    for l in range(n - 1, -1, -1):
+        first[l] = used
+        if Hmin[l] >= BIG:
+            continue
+        limit = cap - Hmin[l]
+        segment_row(l, n, full, K, Cpre, D, hold, rec)
+        m = 0
+        for r in range(l, n):
+            c = hold[r]
+            d = D[r]
+            if c + d > limit:
+                continue
+            if r == n - 1:
+                if m + 1 > cp.shape[0]:
+                    cp = _grow(cp, m + 1)
+                    cr = _grow(cr, m + 1)
+                    cc = _grow(cc, m + 1)
+                    cn = _grow(cn, m + 1)
+                cp[m] = c + d
+                cr[m] = 0
+                cc[m] = r
+                cn[m] = -1
+                m += 1
+                continue
+            s0 = first[r + 1]
+            k = count[r + 1]
+            if m + k + 1 > cp.shape[0]:
+                cp = _grow(cp, m + k + 1)
+                cr = _grow(cr, m + k + 1)
+                cc = _grow(cc, m + k + 1)
+                cn = _grow(cn, m + k + 1)
+            j = 0
+            while j < k and pp[s0 + j] <= d:
+                j += 1
+            if j > 0:
+                cp[m] = c + d
+                cr[m] = rec[r] + pr[s0 + j - 1]
+                cc[m] = r
+                cn[m] = s0 + j - 1
+                m += 1
+            while j < k and c + pp[s0 + j] <= limit:
+                cp[m] = c + pp[s0 + j]
+                cr[m] = rec[r] + pr[s0 + j]
+                cc[m] = r
+                cn[m] = s0 + j
+                m += 1
+                j += 1
+        if m == 0:
+            continue
+        o1 = np.argsort(cr[:m], kind="mergesort")
+        o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
+        if used + m > pp.shape[0]:
+            pp = _grow(pp, used + m)
+            pr = _grow(pr, used + m)
+            pc = _grow(pc, used + m)
+            pn = _grow(pn, used + m)
+        best_r = BIG
+        for t in range(m):
+            i = o2[t]
+            if cr[i] < best_r:
+                best_r = cr[i]
+                pp[used] = cp[i]
+                pr[used] = cr[i]
+                pc[used] = cc[i]
+                pn[used] = cn[i]
+                used += 1
+        count[l] = used - first[l]
+    k0 = count[0]
+    peaks = pp[first[0]: first[0] + k0].copy()
+    recs = pr[first[0]: first[0] + k0].copy()
+    offsets = np.zeros(k0 + 1, dtype=np.int64)
+    flat = np.empty(k0 * n, dtype=np.int64) if k0 > 0 else np.empty(0, dtype=np.int64)
+    tot = 0
+    for t in range(k0):
+        idx = first[0] + t
+        while True:
+            r = pc[idx]
+            if r == n - 1 or pn[idx] < 0:
+                break
+            flat[tot] = r + 1
+            tot += 1
+            idx = pn[idx]
+        offsets[t + 1] = tot
+    return peaks, recs, flat[:tot].copy(), offsets
 
 
 @njit(cache=True)
@@ -374,6 +561,190 @@ def warmup() -> None:
         simulate_plan(np.array([0, 2], dtype=np.int64), n, full, K)
         dp_cubic(n, full, K)
         dp_quadratic(n, full, K)
+        pareto_plans(n, full, K, np.arange(n + 1, dtype=np.int64), BIG)
         brute_force(n, full, K)
+        brute_force_lex(n, full, K, np.arange(n + 1, dtype=np.int64))
     linear_additive(n, K[0], K[1], K[2])
+    linear_least_recompute(n, K[0], K[1], K[2], BIG)
     chen_greedy_pass(one, 1)
+
+
+@njit(cache=True)
+def plan_recompute(starts, n, full, K, Cpre):
+    """Compute a plan adds by re-running its checkpointed segments in backward. O(n)."""
+    runs, saves = K[8], K[9]
+    total = 0
+    m = starts.shape[0]
+    for k in range(m - 1):
+        l = starts[k]
+        r = starts[k + 1] - 1
+        if not full:
+            total += Cpre[r + 1] - Cpre[l]
+            continue
+        e = l - 1
+        for i in range(r, l - 1, -1):
+            if saves[i] != 0:
+                e = i
+                break
+        if e >= l and runs[e] == 0:
+            e -= 1
+        if e >= l:
+            total += Cpre[e + 1] - Cpre[l]
+    return total
+
+
+@njit(cache=True)
+def brute_force_lex(n, full, K, Cpre):
+    """Every plan; the lowest peak, then the least recomputation, then the smallest mask."""
+    starts = np.empty(n, dtype=np.int64)
+    best = BIG
+    best_rec = BIG
+    best_mask = 0
+    for mask in range(1 << (n - 1)):
+        starts[0] = 0
+        m = 1
+        for j in range(n - 1):
+            if (mask >> j) & 1:
+                starts[m] = j + 1
+                m += 1
+        v = simulate_plan(starts[:m], n, full, K)[0]
+        if v > best:
+            continue
+        rc = plan_recompute(starts[:m], n, full, K, Cpre)
+        if v < best or rc < best_rec:
+            best = v
+            best_rec = rc
+            best_mask = mask
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    for j in range(n - 1):
+        if (best_mask >> j) & 1:
+            out[m] = j + 1
+            m += 1
+    return best, best_rec, out[:m]
+
+
+@njit(cache=True)
+def _heap_push(hv, hr, hl, size, v, r, l):
+    i = size
+    hv[i] = v
+    hr[i] = r
+    hl[i] = l
+    while i > 0:
+        p = (i - 1) // 2
+        if hv[p] < hv[i] or (hv[p] == hv[i] and hl[p] <= hl[i]):
+            break
+        hv[p], hv[i] = hv[i], hv[p]
+        hr[p], hr[i] = hr[i], hr[p]
+        hl[p], hl[i] = hl[i], hl[p]
+        i = p
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(hv, hr, hl, size):
+    size -= 1
+    hv[0] = hv[size]
+    hr[0] = hr[size]
+    hl[0] = hl[size]
+    i = 0
+    while True:
+        a = 2 * i + 1
+        b = a + 1
+        s = i
+        if a < size and (hv[a] < hv[s] or (hv[a] == hv[s] and hl[a] < hl[s])):
+            s = a
+        if b < size and (hv[b] < hv[s] or (hv[b] == hv[s] and hl[b] < hl[s])):
+            s = b
+        if s == i:
+            break
+        hv[s], hv[i] = hv[i], hv[s]
+        hr[s], hr[i] = hr[i], hr[s]
+        hl[s], hl[i] = hl[i], hl[s]
+        i = s
+    return size
+
+
+@njit(cache=True)
+def linear_least_recompute(n, P, q, w, cap):
+    """Additive form: among plans with peak <= cap, the one whose last segment starts earliest.
+
+    In the additive form every segment but the last is re-run whole, so a
+    plan's recomputation is the compute of the layers before its last segment:
+    least recomputation = earliest feasible last start ``L`` (for non-negative
+    compute). With ``Hmin[l]`` the least checkpoint bytes held before ``l``
+    over prefixes whose segments stay within ``cap`` (a smaller held amount
+    admits every continuation a larger one does, so the minimum is exact for
+    feasibility), ``L`` is the smallest ``l`` with ``Hmin[l] + w[l] + D(l, n-1)
+    <= cap``. ``D(l, r) = max E[l..r] - P[l]`` is nondecreasing in ``r``, so
+    from ``l`` the feasible ends form a range ``[l, R_l]``, found by descending a
+    max segment tree; ``Hmin[r+1]`` is the minimum over the ranges covering
+    ``r``, kept in a heap with lazy deletion. O(n log n). Returns
+    ``(L, plan)`` or ``(-1, empty)`` when nothing fits.
+    """
+    E = P[:n] + q
+    size = 1
+    while size < n:
+        size *= 2
+    tree = np.full(2 * size, NEG, dtype=np.int64)
+    for i in range(n):
+        tree[size + i] = E[i]
+    for i in range(size - 1, 0, -1):
+        tree[i] = tree[2 * i] if tree[2 * i] > tree[2 * i + 1] else tree[2 * i + 1]
+    suf = np.empty(n + 1, dtype=np.int64)
+    suf[n] = NEG
+    for i in range(n - 1, -1, -1):
+        suf[i] = E[i] if E[i] > suf[i + 1] else suf[i + 1]
+    Hmin = np.full(n, BIG, dtype=np.int64)
+    parent = np.full(n, -1, dtype=np.int64)
+    Hmin[0] = 0
+    hv = np.empty(n, dtype=np.int64)
+    hr = np.empty(n, dtype=np.int64)
+    hl = np.empty(n, dtype=np.int64)
+    hs = 0
+    for r in range(n - 1):
+        l = r
+        if Hmin[l] < BIG:
+            val = Hmin[l] + (w[l] if l > 0 else 0)
+            T = cap - val + P[l]  # D(l, r') <= cap - val  <=>  max E[l..r'] <= T
+            # first j >= l with E[j] > T (n if none): climb from leaf l, then descend
+            j = n
+            i = l + size
+            while True:
+                if tree[i] > T:
+                    while i < size:
+                        i = 2 * i if tree[2 * i] > T else 2 * i + 1
+                    j = i - size
+                    break
+                while i & 1:  # a right child: go up until a left child
+                    i >>= 1
+                if i == 0:
+                    break
+                i += 1  # its right sibling covers the next range
+            R = j - 1
+            if R > n - 2:
+                R = n - 2
+            if R >= l:
+                hs = _heap_push(hv, hr, hl, hs, val, R, l)
+        while hs > 0 and hr[0] < r:
+            hs = _heap_pop(hv, hr, hl, hs)
+        if hs > 0:
+            Hmin[r + 1] = hv[0]
+            parent[r + 1] = hl[0]
+    L = -1
+    for l in range(n):
+        if Hmin[l] >= BIG:
+            continue
+        if Hmin[l] + (w[l] if l > 0 else 0) + suf[l] - P[l] <= cap:
+            L = l
+            break
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    if L > 0:
+        x = L
+        while x > 0:
+            out[m] = x
+            m += 1
+            x = parent[x]
+    plan = out[:m][::-1].copy()
+    return L, plan

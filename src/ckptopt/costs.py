@@ -21,6 +21,12 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``static`` K: parameters, buffers and the model input
 =========  =================================================================
 
+Both forms take an optional ``c[i]``: the forward compute cost of layer ``i``
+(the tracer fills it with FLOPs; any non-negative integer unit works). It does
+not change a peak; the simulator reports the recomputation a plan adds in this
+unit and the least-recomputation solvers minimize it. Without it every layer
+costs 1, so "least recomputation" means "fewest layers run again".
+
 **Additive form** (the form the O(n) solver is exact for): arrays ``w``,
 ``h``, ``q``; a plan whose segments are ``[l_0=0, r_0], [l_1, r_1], ...`` has
 peak ``static + max_k (sum_{j=1..k} w[l_j] + max_{i in [l_k, r_k]}
@@ -178,18 +184,19 @@ class ChainCosts:
         static: int = 0,
         names: Iterable[str] | None = None,
         fs: Sequence[int] | None = None,
+        c: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
             values["fs"] = fs
-        self._init("full", values, static, names)
+        self._init("full", values, static, names, c)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
             d.setflags(write=False)
             self._fields["fs"] = d
 
     # -- construction -------------------------------------------------------
-    def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any) -> None:
+    def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None) -> None:
         fields = {}
         for name, v in values.items():
             fields[name] = _int_array(name, v, flag=name in _FLAG_FIELDS)
@@ -221,6 +228,29 @@ class ChainCosts:
                     f"field 'names' has {len(names)} entries for {n} layers", field="names"
                 )
         self.names = names
+        if c is not None:
+            compute = _int_array("c", c)
+            if len(compute) != n:
+                raise InvalidCosts(
+                    f"field 'c' has {len(compute)} entries for {n} layers; give one compute cost per layer",
+                    field="c",
+                )
+        else:
+            compute = np.ones(n, dtype=np.int64)
+            compute.setflags(write=False)
+        self._c = compute
+        self.has_compute = c is not None
+
+    @property
+    def c(self) -> np.ndarray:
+        """Forward compute cost per layer (FLOPs from the tracer; ones when not given)."""
+        return self._c
+
+    def with_compute(self, c: Sequence[int]) -> "ChainCosts":
+        """A copy of this cost model with per-layer compute costs ``c``."""
+        data = self.to_dict()
+        data["compute"] = [int(x) for x in c]
+        return ChainCosts.from_dict(data)
 
     @classmethod
     def additive(
@@ -230,10 +260,11 @@ class ChainCosts:
         q: Sequence[int],
         static: int = 0,
         names: Iterable[str] | None = None,
+        c: Sequence[int] | None = None,
     ) -> "ChainCosts":
         """Build the additive form (see the module docstring). ``w[0]`` is unused."""
         self = cls.__new__(cls)
-        self._init("additive", dict(w=w, h=h, q=q), static, names)
+        self._init("additive", dict(w=w, h=h, q=q), static, names, c)
         return self
 
     @classmethod
@@ -261,9 +292,10 @@ class ChainCosts:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
         names = data.get("names")
+        compute = data.get("compute")
         if kind == "full":
-            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"))
-        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names)
+            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"), c=compute)
+        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> "ChainCosts":
@@ -300,6 +332,8 @@ class ChainCosts:
         }
         if self.names is not None:
             out["names"] = list(self.names)
+        if self.has_compute:
+            out["compute"] = [int(x) for x in self._c]
         return out
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
@@ -340,6 +374,8 @@ class ChainCosts:
             and self.static == other.static
             and self._fields.keys() == other._fields.keys()
             and all(np.array_equal(v, other._fields[k]) for k, v in self._fields.items())
+            and self.has_compute == other.has_compute
+            and np.array_equal(self._c, other._c)
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -39,12 +39,26 @@ class SimResult:
         The layer running when the peak is reached.
     segment : int
         Index of the segment that layer belongs to (0-based).
+    recompute_flops : int
+        Forward compute the plan runs again in backward: :attr:`ChainCosts.c`
+        summed over :func:`recomputed_layers` (FLOPs for traced models; a
+        count of layers when the costs carry no compute).
+    forward_flops : int
+        Compute of one forward pass (the sum of ``c``).
     """
 
     peak_bytes: int
     phase: str
     layer: int
     segment: int
+    recompute_flops: int = 0
+    forward_flops: int = 0
+
+    @property
+    def recompute_share(self) -> float:
+        """Recomputation as a share of one training step without it, a step
+        taken as forward + backward = 3 x forward (backward ~ 2 x forward)."""
+        return self.recompute_flops / (3 * self.forward_flops) if self.forward_flops else 0.0
 
 
 def normalize_plan(costs: ChainCosts, checkpoints: Iterable[int]) -> tuple[int, ...]:
@@ -96,6 +110,8 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
     Notes
     -----
     Running time O(n) per plan (compiled).
+    ``recompute_flops`` equals ``costs.c`` summed over
+    :func:`recomputed_layers` (tested).
 
     Examples
     --------
@@ -107,10 +123,12 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
         raise TypeError(f"simulate() needs a ChainCosts, got {type(costs).__name__}")
     plan = normalize_plan(costs, checkpoints)
     starts = np.array((0,) + plan, dtype=np.int64)
-    peak, phase, layer, seg = _kernels.simulate_plan(
-        starts, costs.n, not costs.is_additive, costs.kernel_arrays
-    )
-    return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg))
+    full = not costs.is_additive
+    K = costs.kernel_arrays
+    peak, phase, layer, seg = _kernels.simulate_plan(starts, costs.n, full, K)
+    cpre = np.concatenate([[0], np.cumsum(costs.c)]).astype(np.int64)
+    recompute = _kernels.plan_recompute(starts, costs.n, full, K, cpre)
+    return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]))
 
 
 def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int]) -> list[int]:

@@ -21,7 +21,14 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
+        c=draw(compute(n)),
     )
+
+
+def compute(n: int):
+    """Per-layer compute: absent (every layer costs 1), or small values with zeros so ties are common."""
+    return st.one_of(st.none(), st.lists(st.integers(0, 5), min_size=n, max_size=n),
+                     st.lists(st.integers(0, 1000), min_size=n, max_size=n))
 
 
 @st.composite
@@ -29,7 +36,8 @@ def additive_costs(draw, max_n: int = 14, max_value: int = 100):
     n = draw(st.integers(1, max_n))
     hi = draw(st.sampled_from([3, 20, max_value]))
     ints = st.lists(st.integers(0, hi), min_size=n, max_size=n)
-    return ChainCosts.additive(w=draw(ints), h=draw(ints), q=draw(ints), static=draw(st.integers(0, hi)))
+    return ChainCosts.additive(w=draw(ints), h=draw(ints), q=draw(ints), static=draw(st.integers(0, hi)),
+                               c=draw(compute(n)))
 
 
 def random_additive(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
@@ -38,7 +46,7 @@ def random_additive(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCo
     w = rng.integers(0, scale, n)
     h = rng.integers(0, scale, n)
     q = rng.integers(0, scale * rng.choice([1, 5, 50]), n)
-    return ChainCosts.additive(w, h, q, static=int(rng.integers(0, 10)))
+    return ChainCosts.additive(w, h, q, static=int(rng.integers(0, 10)), c=rng.integers(0, 1000, n))
 
 
 def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
@@ -47,4 +55,5 @@ def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
     return ChainCosts(
         a=r(), p=r() * rng.integers(0, 2, n), sin=rng.integers(0, 2, n), sout=rng.integers(0, 2, n),
         m=r() * rng.integers(0, 2, n), f=r(), b=r(), static=int(rng.integers(0, scale)),
+        c=rng.integers(0, 1000, n),
     )

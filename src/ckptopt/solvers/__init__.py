@@ -20,8 +20,9 @@ from ..errors import InfeasibleBudget, InvalidCosts, UnknownSolver
 from ..simulate import normalize_plan, simulate
 from . import baselines, exact
 from .linear import linear
+from .recompute import least_recompute, pareto_front
 
-__all__ = ["Plan", "SolverInfo", "SOLVERS", "solve", "solver_names"]
+__all__ = ["Plan", "SolverInfo", "SOLVERS", "solve", "solver_names", "pareto_front"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,12 @@ SOLVERS: Mapping[str, SolverInfo] = {
         SolverInfo("dp", lambda c, a: exact.dp(c), "full", "the paper's O(n^3) dynamic program"),
         SolverInfo("dp2", lambda c, a: exact.dp2(c), "full", "exact O(n^2) dynamic program"),
         SolverInfo("linear", lambda c, a: linear(c), "additive", "O(n); exact for the additive form"),
+        SolverInfo(
+            "budget",
+            lambda c, a: _budget_unreachable(),
+            "full",
+            "least recomputation with peak <= budget (needs budget=); exact",
+        ),
         SolverInfo("none", _baseline(baselines.none), "", "no checkpointing"),
         SolverInfo("every", _baseline(baselines.every), "", "checkpoint every layer"),
         SolverInfo("sqrt", _baseline(baselines.sqrt), "", "Chen's sqrt(n) segments, uniform by layer count"),
@@ -91,6 +98,10 @@ SOLVERS: Mapping[str, SolverInfo] = {
         ),
     )
 }
+
+
+def _budget_unreachable():
+    raise ValueError("solver 'budget' needs a memory budget: solve(costs, 'budget', budget=BYTES)")
 
 
 def solver_names() -> list[str]:
@@ -162,13 +173,19 @@ def solve(costs: ChainCosts, solver: str = "linear", budget: int | None = None) 
     costs : ChainCosts
     solver : str
         A name from :data:`SOLVERS`: ``brute``, ``dp``, ``dp2``, ``linear``,
-        ``none``, ``every``, ``sqrt``, ``chen-greedy`` or ``uniform:K``.
+        ``budget``, ``none``, ``every``, ``sqrt``, ``chen-greedy`` or
+        ``uniform:K``. The exact solvers (``brute``, ``dp``, ``dp2``) return,
+        among the lowest-peak plans, one with the least recomputation
+        (:attr:`ChainCosts.c`); ``linear`` does so for the additive form.
+        ``budget`` returns the plan with the least recomputation whose peak
+        is at most ``budget`` (exact; it needs ``budget``).
     budget : int, optional
-        Peak-memory budget in bytes. If the solver's plan exceeds it, the exact
-        optimum is computed; if that fits, it is returned (with a warning
-        naming the solver that did not fit), otherwise
+        Peak-memory budget in bytes. For ``budget``, the limit it plans
+        within. For the other solvers: if the solver's plan exceeds it, the
+        exact optimum is computed; if that fits, it is returned (with a
+        warning naming the solver that did not fit). Either way
         :class:`~ckptopt.InfeasibleBudget` is raised with the smallest
-        achievable peak.
+        achievable peak when no plan fits.
 
     Returns
     -------
@@ -192,6 +209,10 @@ def solve(costs: ChainCosts, solver: str = "linear", budget: int | None = None) 
         )
     info, arg = _lookup(solver)
     limit = None if budget is None else _check_budget(budget)
+    if info.name == "budget":
+        if limit is None:
+            _budget_unreachable()
+        return _least_recompute_within(costs, limit)
     plan = _run(costs, info, arg, solver)
     if limit is None or plan.peak_bytes <= limit:
         return plan
@@ -207,3 +228,21 @@ def solve(costs: ChainCosts, solver: str = "linear", budget: int | None = None) 
         stacklevel=2,
     )
     return best
+
+
+def _least_recompute_within(costs: ChainCosts, limit: int) -> Plan:
+    """The ``budget`` solver: least recomputation among plans peaking at most ``limit``."""
+    _ensure_compiled()
+    t0 = time.perf_counter()
+    checkpoints = least_recompute(costs, limit)
+    seconds = time.perf_counter() - t0
+    if checkpoints is None:
+        lowest = _run(costs, SOLVERS["dp2"], None, "dp2")
+        raise InfeasibleBudget(limit, lowest.peak_bytes)
+    peak = simulate(costs, checkpoints).peak_bytes
+    if peak > limit:
+        raise RuntimeError(
+            f"internal error: solver 'budget' chose a plan peaking at {peak} bytes over the budget of {limit}; "
+            "please report this with the cost model (ChainCosts.to_json)"
+        )
+    return Plan(checkpoints, peak, "budget", seconds, costs.n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import _kernels
 from ..costs import ChainCosts
 from ..errors import ProblemTooLarge
+from .recompute import compute_prefix, least_recompute
 
 __all__ = ["brute", "dp", "dp2", "BRUTE_MAX_N"]
 
@@ -14,8 +15,10 @@ BRUTE_MAX_N = 20
 def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
     """Try every plan (2^(n-1) of them) and keep the lowest peak.
 
-    The oracle the tests check every other solver against. Ties go to the
-    plan whose checkpoint bit mask is smallest (layer ``j`` is bit ``j-1``).
+    The oracle the tests check every other solver against. Among the plans
+    with the lowest peak, the one with the least recomputation; further ties
+    go to the plan whose checkpoint bit mask is smallest (layer ``j`` is bit
+    ``j-1``).
 
     Raises
     ------
@@ -32,8 +35,17 @@ def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
             f"solver 'brute' tries all 2^(n-1) plans and refuses n > {BRUTE_MAX_N} "
             f"(this model has n = {costs.n}); use the exact solver 'dp2' (O(n^2)) or 'dp' instead"
         )
-    value, plan = _kernels.brute_force(costs.n, not costs.is_additive, costs.kernel_arrays)
+    value, _, plan = _kernels.brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays,
+                                              compute_prefix(costs))
     return tuple(int(x) for x in plan), int(value) + costs.static
+
+
+def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> tuple[tuple[int, ...], int]:
+    """Among the plans reaching the optimum ``value`` (static excluded), the least recomputation."""
+    best = least_recompute(costs, int(value) + costs.static)
+    if best is None:  # cannot happen: the solver's own plan reaches the optimum
+        best = tuple(int(x) for x in plan)
+    return best, int(value) + costs.static
 
 
 def dp(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
@@ -49,14 +61,18 @@ def dp(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
     the bytes of the next segment's checkpoint, which every later segment
     also holds (the prefix objective). ``D`` may depend on both ends in any
     way; here each ``D(l, r)`` is computed from scratch in O(r - l), as in
-    the paper's cubic formulation. Ties go to the longest segment.
+    the paper's cubic formulation.
+
+    Among the plans reaching the optimum, the one with the least
+    recomputation is returned (:func:`~ckptopt.solvers.recompute.least_recompute`
+    with the optimum as the cap: an exact second pass).
 
     Notes
     -----
     Running time O(n^3), memory O(n). Exact for the full model.
     """
     value, plan = _kernels.dp_cubic(costs.n, not costs.is_additive, costs.kernel_arrays)
-    return tuple(int(x) for x in plan), int(value) + costs.static
+    return _fewest_recomputed(costs, value, plan)
 
 
 def dp2(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
@@ -67,11 +83,14 @@ def dp2(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
     recomputation term is ``G[r] + a[r]`` plus a running maximum taken up to
     the last layer the recomputation runs, which only moves forward with
     ``r``. So each ``D(l, r)`` costs O(1) after ``D(l, r-1)`` (DESIGN.md
-    section 5). Ties go to the longest segment, as in :func:`dp`.
+    section 5). Among the plans reaching the optimum, the one with the least
+    recomputation, as in :func:`dp`.
 
     Notes
     -----
-    Running time O(n^2), memory O(n). Exact for the full model.
+    Running time O(n^2) for the optimum, memory O(n); the tie-break pass is
+    O(n^2 F), F the number of (peak, recomputation) trade-offs within the
+    optimum, which is small in practice. Exact for the full model.
     """
     value, plan = _kernels.dp_quadratic(costs.n, not costs.is_additive, costs.kernel_arrays)
-    return tuple(int(x) for x in plan), int(value) + costs.static
+    return _fewest_recomputed(costs, value, plan)

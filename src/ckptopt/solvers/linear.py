@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import _kernels
 from ..costs import ChainCosts
+from .recompute import linear_least_recompute
 
 __all__ = ["linear"]
 
@@ -73,7 +74,11 @@ def linear(costs: ChainCosts) -> tuple[tuple[int, ...], int | None]:
 
     Notes
     -----
-    Running time O(n), memory O(n). Ties are broken deterministically.
+    Running time O(n), memory O(n) for the optimum. Among the plans reaching
+    it, the one whose last segment starts earliest, which for the additive
+    form is the one with the least recomputation (every other segment is
+    re-run whole): an O(n log n) second pass,
+    :func:`~ckptopt.solvers.recompute.linear_least_recompute`.
     A lead from DESIGN.md section 5, proved above and checked against
     brute force and the O(n^2) program in the tests.
 
@@ -81,11 +86,14 @@ def linear(costs: ChainCosts) -> tuple[tuple[int, ...], int | None]:
     --------
     >>> c = ChainCosts.additive(w=[0, 10, 0], h=[16, 7, 8], q=[24, 3, 27])
     >>> linear(c)
-    ((1,), 44)
+    ((2,), 27)
     """
     w, h, q = costs.additive_form()
     P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
     value, plan = _kernels.linear_additive(costs.n, P, np.ascontiguousarray(q, dtype=np.int64),
                                            np.ascontiguousarray(w, dtype=np.int64))
     cps = tuple(int(x) for x in plan)
+    fewer = linear_least_recompute(costs, int(value) + costs.static)
+    if fewer is not None:
+        cps = fewer
     return cps, (int(value) + costs.static if costs.is_additive else None)

@@ -1,0 +1,139 @@
+"""Least recomputation: the lexicographic tie-break of the exact solvers and the budget solver,
+against an independent enumeration of every plan (peak from the simulator, recomputation from
+recomputed_layers)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings, strategies as st
+
+from ckptopt import ChainCosts, InfeasibleBudget, simulate, solve
+from ckptopt.simulate import recomputed_layers
+from ckptopt.solvers import pareto_front
+
+from .common.strategies import additive_costs, full_costs, random_additive, random_full
+
+
+def every_plan(c):
+    """(peak, recompute, plan) of all 2^(n-1) plans, recomputation summed independently of the kernels."""
+    out = []
+    for k in range(c.n):
+        for plan in itertools.combinations(range(1, c.n), k):
+            rec = int(sum(int(c.c[i]) for i in recomputed_layers(c, plan)))
+            out.append((simulate(c, plan).peak_bytes, rec, plan))
+    return out
+
+
+@given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)), st.data())
+def test_simulator_reports_the_recomputation_of_recomputed_layers(c, data):
+    plan = tuple(sorted(data.draw(st.sets(st.integers(1, max(1, c.n - 1)), max_size=c.n - 1)) - {c.n} if c.n > 1 else set()))
+    r = simulate(c, plan)
+    assert r.recompute_flops == sum(int(c.c[i]) for i in recomputed_layers(c, plan))
+    assert r.forward_flops == int(np.sum(c.c))
+    assert 0 <= r.recompute_share <= 1 / 3 + 1e-12
+
+
+@given(full_costs(max_n=9))
+def test_exact_solvers_pick_the_least_recomputation_among_optimal_plans(c):
+    plans = every_plan(c)
+    peak, rec, _ = min(plans)
+    for s in ("brute", "dp", "dp2"):
+        p = solve(c, s)
+        r = simulate(c, p.checkpoints)
+        assert (r.peak_bytes, r.recompute_flops) == (peak, rec), s
+
+
+@given(additive_costs(max_n=10))
+def test_linear_picks_the_least_recomputation_on_additive(c):
+    peak, rec, _ = min(every_plan(c))
+    r = simulate(c, solve(c, "linear").checkpoints)
+    assert (r.peak_bytes, r.recompute_flops) == (peak, rec)
+
+
+@given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)))
+def test_pareto_front_equals_enumeration(c):
+    plans = every_plan(c)
+    front = []
+    for peak, rec, _ in sorted(plans):
+        if not front or rec < front[-1][1]:
+            front.append((peak, rec))
+    got = pareto_front(c)
+    assert [(p, r) for p, r, _ in got] == front
+    for p, r, plan in got:  # each point's plan really has that peak and recomputation
+        s = simulate(c, plan)
+        assert (s.peak_bytes, s.recompute_flops) == (p, r)
+
+
+@given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)), st.data())
+def test_budget_solver_against_enumeration(c, data):
+    plans = every_plan(c)
+    lo = min(p for p, _, _ in plans)
+    hi = max(p for p, _, _ in plans)
+    budget = data.draw(st.integers(max(1, lo - 3), hi + 3))
+    fitting = [rec for p, rec, _ in plans if p <= budget]
+    if not fitting:
+        with pytest.raises(InfeasibleBudget) as e:
+            solve(c, "budget", budget=budget)
+        assert e.value.min_peak_bytes == lo and e.value.budget_bytes == budget
+        return
+    p = solve(c, "budget", budget=budget)
+    r = simulate(c, p.checkpoints)
+    assert r.peak_bytes == p.peak_bytes <= budget
+    assert r.recompute_flops == min(fitting)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(12, 120), st.booleans())
+@settings(max_examples=60)
+def test_dp_and_dp2_agree_on_larger_models(seed, n, additive):
+    rng = np.random.default_rng(seed)
+    c = random_additive(rng, n) if additive else random_full(rng, n)
+    a, b = solve(c, "dp"), solve(c, "dp2")
+    ra, rb = simulate(c, a.checkpoints), simulate(c, b.checkpoints)
+    assert (ra.peak_bytes, ra.recompute_flops) == (rb.peak_bytes, rb.recompute_flops)
+    if additive:
+        rl = simulate(c, solve(c, "linear").checkpoints)
+        assert (rl.peak_bytes, rl.recompute_flops) == (ra.peak_bytes, ra.recompute_flops)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(12, 120))
+@settings(max_examples=40)
+def test_budget_curve_is_monotone_and_consistent(seed, n):
+    c = random_full(np.random.default_rng(seed), n)
+    front = pareto_front(c)
+    assert front[0][0] == solve(c, "dp2").peak_bytes
+    # the last point recomputes nothing and is no worse than no checkpointing
+    assert front[-1][1] == 0 and front[-1][0] <= simulate(c, ()).peak_bytes
+    peaks = [p for p, _, _ in front]
+    recs = [r for _, r, _ in front]
+    assert peaks == sorted(set(peaks)) and recs == sorted(set(recs), reverse=True)
+    # the budget solver at each point's peak recomputes exactly that point's amount
+    for p, r, _ in front[:: max(1, len(front) // 5)]:
+        assert simulate(c, solve(c, "budget", budget=p).checkpoints).recompute_flops == r
+
+
+def test_budget_needs_a_budget():
+    c = ChainCosts.additive([0, 1], [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="needs a memory budget"):
+        solve(c, "budget")
+
+
+def test_compute_round_trips_and_is_validated():
+    c = ChainCosts.additive([0, 1], [1, 1], [1, 1], c=[5, 7])
+    assert ChainCosts.from_json(c.to_json()) == c and c.has_compute
+    assert ChainCosts.from_json(ChainCosts.additive([0, 1], [1, 1], [1, 1]).to_json()).has_compute is False
+    with pytest.raises(ValueError, match="'c'"):
+        ChainCosts.additive([0, 1], [1, 1], [1, 1], c=[5])
+    with pytest.raises(ValueError, match="negative"):
+        ChainCosts.additive([0, 1], [1, 1], [1, 1], c=[5, -1])
+
+
+def test_hand_case_prefers_the_cheaper_recomputation():
+    # Two layers of equal memory: checkpointing before layer 1 or 2 gives the same peak; the
+    # plan re-running the cheap layer wins.
+    c = ChainCosts.additive(w=[0, 4, 4, 4], h=[4, 4, 4, 4], q=[4, 4, 4, 4], c=[100, 1, 100, 100])
+    plans = every_plan(c)
+    peak, rec, _ = min(plans)
+    p = solve(c, "dp2")
+    assert simulate(c, p.checkpoints).recompute_flops == rec
+    assert sum(1 for pk, r, _ in plans if pk == peak) > 1  # a real tie was broken
