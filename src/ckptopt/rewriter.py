@@ -39,6 +39,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .dag import NodePlan
+from .errors import InvalidPlan
 from .simulate import simulate
 from .solvers import Plan
 from .tracer import TracedModel, _subgraph_module
@@ -49,14 +51,23 @@ __all__ = ["apply_plan", "CheckpointedModule"]
 
 @dataclass
 class _Segment:
+    """One run of consecutive graph nodes, called as one function.
+
+    ``input_names`` are the values it reads from earlier segments or the
+    model's inputs (tensors and non-tensor values such as sizes, in first-use
+    order), ``output_names`` the values it computes that later segments (or
+    the model's output) use, ``drop_names`` the values nothing after it
+    needs: the forward forgets them once it has run, so that Python holds no
+    tensor longer than the unmodified model would.
+    """
+
     index: int
-    first: int  # first and last layer index (of the traced chain)
-    last: int
+    nodes: tuple[str, ...]  # FX node names, in order
     wrapped: bool
-    is_final: bool
     code: type  # a generated GraphModule class; code.forward(wrapper, *inputs)
-    extra_names: tuple[str, ...]  # non-tensor values from earlier segments / inputs
-    export_names: tuple[str, ...] = field(default=())  # non-tensor values it hands on
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    drop_names: tuple[str, ...] = field(default=())
 
 
 def _graph_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
@@ -94,6 +105,46 @@ def _bn_post_hook(module: nn.Module, args, output):
         _bn_restore(module)
 
 
+def _segments_of_groups(gm: fx.GraphModule, groups: list[list[fx.Node]], wrapped: list[bool]) -> list[_Segment]:
+    """Segments running ``groups`` (consecutive runs of ``gm``'s op nodes, in order).
+
+    Each segment's inputs are the values its nodes read from outside it (any
+    number of tensors and non-tensor values: several tensors may cross a
+    cut), its outputs the values it computes that later segments or the
+    graph's output read.
+    """
+    seg_of: dict[str, int] = {}
+    for k, members in enumerate(groups):
+        for m in members:
+            seg_of[m.name] = k
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    final_uses = {a.name for a in out_node.all_input_nodes}
+    last_use: dict[str, int] = {}  # value name -> last segment reading it (len(groups): the output)
+    inputs_of: list[list[fx.Node]] = []
+    for k, members in enumerate(groups):
+        own = {m.name for m in members}
+        ins: list[fx.Node] = []
+        for m in members:
+            for a in m.all_input_nodes:
+                if a.name in own or a.op == "get_attr":
+                    continue
+                if a not in ins:
+                    ins.append(a)
+                last_use[a.name] = k
+        inputs_of.append(ins)
+    for name in final_uses:
+        last_use[name] = len(groups)
+    segments = []
+    for k, members in enumerate(groups):
+        outputs = [m for m in members if last_use.get(m.name, -1) > k]
+        sub = _subgraph_module(gm, members, inputs_of[k], tuple(outputs))
+        values = [a.name for a in inputs_of[k]] + [m.name for m in outputs]
+        drop = tuple(dict.fromkeys(nm for nm in values if last_use.get(nm, -1) <= k))
+        segments.append(_Segment(k, tuple(m.name for m in members), wrapped[k], type(sub),
+                                 tuple(a.name for a in inputs_of[k]), tuple(m.name for m in outputs), drop))
+    return segments
+
+
 class CheckpointedModule(nn.Module):
     """A model that trains with activation checkpointing at the planned cuts.
 
@@ -128,8 +179,12 @@ class CheckpointedModule(nn.Module):
         gm = traced.gm
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self._ph_names = tuple(n.name for n in self._placeholders)
+        self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._copy_root_attrs(model, gm)
-        self._segments = self._build_segments(traced, plan)
+        if isinstance(plan, NodePlan):
+            self._segments = _segments_of_groups(gm, *_node_groups(gm, plan))
+        else:
+            self._segments = self._build_segments(traced, plan)
         self._hooks = self._install_bn_hooks(gm)
 
     # -- construction ---------------------------------------------------------
@@ -141,84 +196,28 @@ class CheckpointedModule(nn.Module):
                     object.__setattr__(self, head, getattr(model, head))
 
     def _build_segments(self, tm: TracedModel, plan: Plan) -> list[_Segment]:
-        gm = tm.gm
-        nodes = _graph_nodes(gm)
+        """Chain plan -> node groups (the layers of each segment) -> segments."""
         layers = tm.layers
         has_loss_layer = layers[-1].nodes == ("<loss>",)
         n_model = len(layers) - 1 if has_loss_layer else len(layers)
-        bounds = []
-        for first, last in plan.segments:
-            last = min(last, n_model - 1)
-            if first <= last:
-                bounds.append((first, last))
+        nodes = _graph_nodes(tm.gm)
+        groups, wrapped = [], []
         # the segment holding the loss (the plan's last) is never wrapped
         last_plan_seg_includes_model = plan.segments[-1][0] <= n_model - 1
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        is_tensor = {name: tm.graph.nodes[name]["shape"] is not None for name in tm.graph.nodes}
-        seg_of: dict[str, int] = {}
-        members_of = []
+        bounds = [(first, min(last, n_model - 1)) for first, last in plan.segments if first <= n_model - 1]
         for k, (first, last) in enumerate(bounds):
-            names = [nm for j in range(first, last + 1) for nm in layers[j].nodes]
-            for nm in names:
-                seg_of[nm] = k
-            members_of.append([nodes[nm] for nm in names])
-        exports: list[list[str]] = [[] for _ in bounds]
-        extras: list[list[str]] = [[] for _ in bounds]
-        for k, members in enumerate(members_of):
-            own = {m.name for m in members}
-            first_layer = bounds[k][0]
-            entry = None if k == 0 else layers[first_layer].input_node
-            for m in members:
-                for a in m.all_input_nodes:
-                    if a.name in own or a.op == "get_attr" or a.name == entry:
-                        continue
-                    if a.op == "placeholder":
-                        if k > 0 and a.name not in extras[k]:
-                            extras[k].append(a.name)
-                        continue
-                    if is_tensor.get(a.name, False):
-                        raise AssertionError(f"tensor {a.name} crosses a cut; the tracer should not offer it")
-                    if a.name not in extras[k]:
-                        extras[k].append(a.name)
-                    src = seg_of[a.name]
-                    if a.name not in exports[src]:
-                        exports[src].append(a.name)
-        # a non-tensor produced in segment j and used in k > j+1 is handed on by the ones between
-        for k in range(len(bounds)):
-            for name in extras[k]:
-                if name in self._ph_names:
-                    continue
-                for j in range(seg_of[name] + 1, k):
-                    if name not in extras[j]:
-                        extras[j].append(name)
-                    if name not in exports[j]:
-                        exports[j].append(name)
-        segments = []
-        for k, (first, last) in enumerate(bounds):
-            final = k == len(bounds) - 1
-            if k == 0:
-                inputs = list(self._placeholders)
-            else:
-                inputs = [nodes[layers[first].input_node]]
-            inputs += [nodes[nm] for nm in extras[k]]
-            if final:
-                output = out_node.args[0]
-            else:
-                nxt = nodes[layers[last + 1].input_node]
-                output = tuple([nxt] + [nodes[nm] for nm in exports[k]])
-            sub = _subgraph_module(gm, members_of[k], inputs, output)
-            wrapped = not final or not last_plan_seg_includes_model
-            segments.append(_Segment(k, first, last, wrapped, final, type(sub), tuple(extras[k]),
-                                     tuple(exports[k])))
-        return segments
+            groups.append([nodes[nm] for j in range(first, last + 1) for nm in layers[j].nodes])
+            wrapped.append(k < len(bounds) - 1 or not last_plan_seg_includes_model)
+        return _segments_of_groups(tm.gm, groups, wrapped)
 
     def _install_bn_hooks(self, gm: fx.GraphModule) -> list:
         handles = []
-        wrapped_layers = {j for s in self._segments if s.wrapped for j in range(s.first, s.last + 1)}
         nodes = _graph_nodes(gm)
         seen = set()
-        for j in wrapped_layers:
-            for nm in self.traced.layers[j].nodes:
+        for seg in self._segments:
+            if not seg.wrapped:
+                continue
+            for nm in seg.nodes:
                 n = nodes.get(nm)
                 if n is None or n.op != "call_module":
                     continue
@@ -272,25 +271,32 @@ class CheckpointedModule(nn.Module):
         self._check_shapes(vals)
         do_ckpt = self.training and torch.is_grad_enabled()
         env = dict(zip(self._ph_names, vals))
-        x = None
+        del vals
         for seg in self._segments:
-            inputs = vals if seg.index == 0 else [x]
-            inputs = [*inputs, *(env[nm] for nm in seg.extra_names)]
+            inputs = [env[nm] for nm in seg.input_names]
             fn = _bound(seg.code, self)
             if seg.wrapped and do_ckpt:
                 res = checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=True)
             else:
                 res = fn(*inputs)
-            if seg.is_final:
-                return res
-            x = res[0]
-            env.update(zip(seg.export_names, res[1:]))
-        raise AssertionError("unreachable: a plan has at least one segment")
+            del inputs
+            env.update(zip(seg.output_names, res))
+            del res
+            for nm in seg.drop_names:  # hold no tensor longer than the unmodified model does
+                env.pop(nm, None)
+        return fx.node.map_arg(self._out_node.args[0],
+                               lambda n: env[n.name] if n.op != "get_attr" else _attr(self, n.target))
 
     # -- reporting ------------------------------------------------------------------
     def explain(self) -> str:
         """A readable account of the plan: segments, what each keeps, the predicted peak."""
         tm, plan = self.traced, self.plan
+        if isinstance(plan, NodePlan):
+            return "\n".join([f"ckptopt node-level plan for {type(self.original).__name__}: cuts {plan.cuts}, "
+                              f"predicted peak {format_bytes(plan.peak_bytes)}"] +
+                             [f"  segment {s.index} ({'checkpointed' if s.wrapped else 'not wrapped'}): "
+                              f"{s.nodes[0]} .. {s.nodes[-1]}, inputs {', '.join(s.input_names) or '-'}"
+                              for s in self._segments])
         costs = tm.costs
         base, pred = self.baseline_peak_bytes, self.predicted_peak_bytes
         sim = simulate(costs, plan.checkpoints)
@@ -327,6 +333,33 @@ class CheckpointedModule(nn.Module):
         self._hooks = []
 
 
+def _node_groups(gm: fx.GraphModule, plan: NodePlan) -> tuple[list[list[fx.Node]], list[bool]]:
+    """The op-node groups of a node-level plan and which are checkpointed.
+
+    Position ``k`` is the k-th op node of ``gm`` (``len(ops)``: the loss); a
+    cut at the loss checkpoints every model segment.
+    """
+    ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    if plan.n != len(ops) + 1:
+        raise InvalidPlan(f"the node plan was made for {plan.n} nodes but the traced graph has "
+                          f"{len(ops)} op nodes and the loss ({len(ops) + 1}); trace the model again")
+    cuts = list(plan.cuts)
+    if cuts != sorted(set(cuts)) or any(not 1 <= c <= len(ops) for c in cuts):
+        raise InvalidPlan(f"node plan cuts must be increasing positions in 1..{len(ops)}, got {plan.cuts}")
+    starts = [0] + [c for c in cuts if c < len(ops)]
+    ends = starts[1:] + [len(ops)]
+    groups = [ops[a:b] for a, b in zip(starts, ends)]
+    wrapped = [True] * (len(groups) - 1) + [len(ops) in cuts]
+    return groups, wrapped
+
+
+def _attr(root: nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _bound(cls: type, self: nn.Module) -> Callable:
     return lambda *a: cls.forward(self, *a)
 
@@ -352,6 +385,8 @@ def apply_plan(model: nn.Module, traced: TracedModel, plan: Plan) -> Checkpointe
     ValueError
         When the plan was made for a cost model of another length.
     """
+    if isinstance(plan, NodePlan):
+        return CheckpointedModule(model, traced, plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan (from ckptopt.solve), got {type(plan).__name__}")
     if plan.n != traced.n:

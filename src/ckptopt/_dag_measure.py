@@ -1,0 +1,239 @@
+"""Node-level tracing: every FX node measured on fake tensors -> :class:`ckptopt.dag.DagCosts`.
+
+The torch side of :mod:`ckptopt.dag`. Each op node of the traced graph runs
+forward and backward once in isolation under ``FakeTensorMode`` (nothing is
+allocated), with every tensor input a fresh tensor that requires grad when
+it does in the model, under the exact storage tracker and a
+``saved_tensors_hooks`` pack hook, as :func:`ckptopt.measure.measure_layer`
+does for a layer. The inputs are kept alive through the backward, so ``b``
+is what the node's backward adds on top of whatever else is live.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .dag import DagCosts, DagNode, NodePlan
+from .errors import TraceError
+from .measure import StorageTracker, _default_loss
+from .tracer import TracedModel, _FakeRecorder, _WithLoss, _subgraph_module, _tensors, trace
+
+__all__ = ["TracedDag", "trace_dag", "op_nodes"]
+
+_OPS = ("call_module", "call_function", "call_method")
+
+
+@dataclass
+class TracedDag:
+    """What :func:`trace_dag` returns: the chain trace plus the node-level costs.
+
+    ``names[k]`` is the FX node at position ``k`` (``"<loss>"`` last).
+    """
+
+    traced: TracedModel
+    costs: DagCosts
+    names: list[str]
+
+
+def op_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes a node-level plan cuts between, in execution order."""
+    return [n for n in gm.graph.nodes if n.op in _OPS]
+
+
+class _Fresh(torch.autograd.Function):
+    """A fresh input that requires grad; its backward records the gradient's storage."""
+
+    @staticmethod
+    def forward(ctx, anchor, holder, record, index):
+        ctx.record, ctx.index = record, index
+        return holder.pop()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.record.get("out")
+        shared = grad is not None and out is not None and out() is grad.untyped_storage()
+        ctx.record[ctx.index] = 0 if grad is None else 2 if shared else 1
+        return None, None, None, None
+
+
+class _Inject(torch.autograd.Function):
+    """Ends the graph; its backward creates the output gradient (held by nothing else)."""
+
+    @staticmethod
+    def forward(ctx, y, record):
+        ctx.template = torch.empty_like(y, device="meta")
+        ctx.device = y.device
+        ctx.record = record
+        return y.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = torch.ones_like(ctx.template, device=ctx.device)
+        ctx.record["out"] = weakref.ref(g.untyped_storage())
+        ctx.record["bytes"] = g.untyped_storage().nbytes()
+        return g, None
+
+
+def _measure_node(module: nn.Module, xs: list[torch.Tensor], grad_inputs: list[bool], name: str,
+                  producers: list[int]) -> DagNode:
+    """Measure one node (``module(*xs)``) in isolation; see the module docstring."""
+    dev = xs[0].device if xs else torch.device("cpu")
+    holders = [[x.detach().clone()] for x in xs]
+    record: dict[Any, Any] = {}
+    ins = []
+    for p, (h, g) in enumerate(zip(holders, grad_inputs)):
+        ins.append(_Fresh.apply(torch.empty(0, device=dev, requires_grad=True), h, record, p) if g else h.pop())
+    in_storages = [x.untyped_storage() for x in ins]
+    params = [p for p in module.parameters() if p.requires_grad]
+    static = {id(t.untyped_storage()) for t in list(module.parameters()) + list(module.buffers())}
+    saved: dict[int, Any] = {}
+    last_pack = [None]
+    tracker = StorageTracker(fake=True)
+
+    def pack(t):
+        s = t.untyped_storage()
+        if tracker.is_tracked(t):
+            saved[id(s)] = s
+        last_pack[0] = tracker.peak_bytes
+        return t
+
+    tracker.register(module, ins)
+    start = tracker.current_bytes
+    try:
+        with tracker:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = module(*ins)
+            f = tracker.peak_bytes - start
+            if not isinstance(y, torch.Tensor):
+                if _tensors(y):
+                    raise TraceError(f"node {name} returns several tensors; node-level tracing supports "
+                                     "nodes with one tensor output (use the chain trace)", node=name)
+                return DagNode(name, tuple(producers), input_grads=tuple(0 for _ in producers))
+            ys = y.untyped_storage()
+            alias = next((p for p, s in enumerate(in_storages) if s is ys), -1)
+            out_bytes = 0 if alias >= 0 else int(ys.nbytes())
+            if not y.requires_grad:
+                return DagNode(name, tuple(producers), out_bytes, alias, f=int(f), fs=0,
+                               input_grads=tuple(0 for _ in producers))
+            saves_inputs = tuple(p for p, s in enumerate(in_storages) if id(s) in saved)
+            saves_output = alias < 0 and id(ys) in saved
+            in_ids = {id(s) for s in in_storages}
+            extra = sum(s.nbytes() for k, s in saved.items() if k not in in_ids and k != id(ys) and k not in static)
+            end = _Inject.apply(y, record)
+            del y, ys
+            saved.clear()
+            backward_start = tracker.current_bytes
+            tracker.reset_peak()
+            end.backward(torch.empty(0, device=dev))
+            b = tracker.peak_bytes - backward_start - record.get("bytes", 0)
+            del end
+    finally:
+        tracker.detach()
+        for p in params:
+            p.grad = None
+    kinds = [record.get(p, 0) if g else 0 for p, g in enumerate(grad_inputs)]
+    grad_bytes = int(record.get("bytes", 0))
+    param_grad = sum(int(p.untyped_storage().nbytes()) for p in params)
+    return DagNode(name, tuple(producers), out_bytes, alias, grad_bytes, saves_inputs, bool(saves_output),
+                   int(extra), int(f), int(last_pack[0] - start) if last_pack[0] is not None else 0, int(b),
+                   tuple(kinds), param_grad)
+
+
+def _cuttable(ops: list[fx.Node], values: dict, pos: dict) -> tuple[int, ...]:
+    """Cut positions 1..len(ops): a view or in-place op stays with the tensor it aliases."""
+    banned: set[int] = set()
+    for j, n in enumerate(ops):
+        out = values.get(n)
+        if not isinstance(out, torch.Tensor):
+            continue
+        for a in n.all_input_nodes:
+            v = values.get(a)
+            if isinstance(v, torch.Tensor) and torch._C._is_alias_of(out, v):
+                banned.update(range(pos.get(a, -1) + 1, j + 1))
+    return tuple(k for k in range(1, len(ops) + 1) if k not in banned)
+
+
+def trace_dag(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None) -> TracedDag:
+    """Trace ``model`` and measure every node: the node-level cost model.
+
+    Parameters
+    ----------
+    model : nn.Module
+    example_inputs : Tensor or tuple
+    loss_fn : callable, optional
+        As in :func:`ckptopt.trace`.
+
+    Returns
+    -------
+    TracedDag
+
+    Raises
+    ------
+    TraceError
+        A node returns several tensors, or the model returns several; or
+        anything :func:`ckptopt.trace` raises.
+    """
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tm = trace(model, example_inputs, loss_fn=loss_fn)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    fm = FakeTensorMode()
+    fgm = deepcopy_to_fake_tensor(tm.gm, fm)
+    fargs = [fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    rec = _FakeRecorder(fgm)
+    with fm, torch.enable_grad():
+        rec.run(*fargs)
+    values = rec.values
+    ops = op_nodes(fgm)
+    pos = {n: i for i, n in enumerate(ops)}
+    out_node = next(n for n in fgm.graph.nodes if n.op == "output")
+    y_node = out_node.args[0]
+    if not isinstance(y_node, fx.Node) or y_node not in pos:
+        raise TraceError("node-level tracing needs a model that returns one tensor computed by an op",
+                         node=str(y_node))
+    nodes: list[DagNode] = []
+    with fm, torch.enable_grad():
+        for n in ops:
+            tin = [a for a in n.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+            sub = _subgraph_module(fgm, [n], tin, n, values)
+            in_ops = [a for a in tin if a in pos]
+            # model inputs and constants come first in the subgraph but are static: measure them too,
+            # without gradient; only op inputs are DagNode inputs
+            xs = [values[a] for a in tin]
+            grads = [bool(values[a].requires_grad) for a in tin]
+            node = _measure_node(sub, xs, grads, n.name, [pos[a] if a in pos else -1 for a in tin])
+            keep = [p for p, a in enumerate(tin) if a in pos]
+            nodes.append(_only_inputs(node, keep, [pos[a] for a in in_ops]))
+        loss = _WithLoss(None, tm.loss_fn or _default_loss)
+        nodes.append(_measure_node(loss, [values[y_node]], [True], "<loss>", [pos[y_node]]))
+    costs = DagCosts(nodes, tm.costs.static, _cuttable(ops, values, pos))
+    return TracedDag(tm, costs, [n.name for n in ops] + ["<loss>"])
+
+
+def _only_inputs(v: DagNode, keep: list[int], producers: list[int]) -> DagNode:
+    """Drop the static inputs (model inputs) from a measured node's input lists."""
+    remap = {p: q for q, p in enumerate(keep)}
+    alias = remap.get(v.alias, -1) if v.alias >= 0 else -1
+    out_bytes = v.out_bytes
+    if v.alias >= 0 and alias < 0:
+        out_bytes = 0  # a view of a model input: static memory
+    return DagNode(v.name, tuple(producers), out_bytes, alias, v.grad_bytes,
+                   tuple(remap[p] for p in v.saves_inputs if p in remap), v.saves_output,
+                   v.extra, v.f, v.fs, v.b,
+                   tuple(v.input_grads[p] for p in keep) if v.input_grads else tuple(0 for _ in keep),
+                   v.param_grad)
+
+
+def node_plan(td: TracedDag, cuts) -> NodePlan:
+    """A :class:`NodePlan` of ``cuts`` with its simulated peak."""
+    from .dag import simulate_dag
+
+    cuts = tuple(sorted(cuts))
+    return NodePlan(cuts, td.costs.n, simulate_dag(td.costs, cuts).peak_bytes)
