@@ -1,4 +1,5 @@
-"""Command line: ``ckptopt optimize MODEL``, ``compare MODEL``, ``profile MODEL``, ``solve --costs FILE.json``.
+"""Command line: ``ckptopt optimize MODEL``, ``compare MODEL``, ``profile MODEL``, ``estimate MODEL``,
+``max-batch MODEL --memory SIZE``, ``solve --costs FILE.json``.
 
 Each subcommand prints a table by default and machine-readable output with
 ``--json``. Errors for bad input go to stderr with exit status 2.
@@ -265,6 +266,154 @@ def _bar_chart(args, rows) -> None:
     fig.savefig(args.png, dpi=120)
 
 
+# --------------------------------------------------------------------------
+# planning a training run: estimate, max-batch
+# --------------------------------------------------------------------------
+def _planning_args(p: argparse.ArgumentParser) -> None:
+    from .planning import OPTIMIZERS
+
+    p.add_argument("--optimizer", default="adam", choices=OPTIMIZERS,
+                   help="optimizer whose state and step are counted, with PyTorch's default arguments "
+                        "(sgd: momentum 0; sgd-momentum: 0.9; none: forward and backward only). Default adam")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the step runs: selects PyTorch's default optimizer step there (cpu: for-loop; "
+                        "cuda: foreach, which needs one parameter-sized temporary more for Adam) and whether "
+                        "Adam's step counters count (they stay on the CPU). Default cpu")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _dtype_help(p: argparse.ArgumentParser) -> None:
+    for action in p._actions:
+        if action.dest == "dtype":
+            action.help = ("parameter and input dtype: bf16/fp16 convert the model with .to(dtype) and feed inputs "
+                           "in that dtype (pure low-precision training, not autocast). Default fp32")
+
+
+def _model_header(args, tm_n: int, inputs) -> str:
+    import torch
+
+    shapes = ", ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+    return f"{args.model}: {tm_n} layers, inputs {shapes} ({args.dtype})"
+
+
+_ROWS = (("parameters", "parameters"), ("buffers and inputs", "buffers_and_inputs"), ("gradients", "gradients"),
+         ("optimizer state", "optimizer_state"), ("activations", "activations"), ("transients", "transient"))
+
+
+def _where(pe) -> str:
+    if pe.layer is None:
+        return pe.at
+    return f"{pe.at} of layer {pe.layer}" + (f" ({pe.layer_name})" if pe.layer_name else "")
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from ._models import load_model
+    from .planning import estimate
+
+    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
+    model.train()
+    est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf)
+    if args.json:
+        json.dump(dict(model=args.model, dtype=args.dtype, device=args.device, **est.to_dict()), sys.stdout, indent=1)
+        print()
+        return 0
+    opt = est.optimizer
+    print(_model_header(args, est.n_layers, inputs) + f"; optimizer {opt.name} ({opt.impl} step, {args.device})")
+    cols = (est.no_checkpointing, est.optimal)
+    print(f"{'':<20} {'no checkpointing':>18} {'optimal plan':>18}")
+    for label, key in _ROWS:
+        vals = [getattr(c.breakdown, key) for c in cols]
+        print(f"{label:<20} {format_bytes(vals[0]):>18} {format_bytes(vals[1]):>18}")
+    print(f"{'peak':<20} {format_bytes(cols[0].peak_bytes):>18} {format_bytes(cols[1].peak_bytes):>18}")
+    red = 100.0 * (cols[1].peak_bytes - cols[0].peak_bytes) / cols[0].peak_bytes
+    print(f"{'':<20} {'':>18} {red:>+17.1f}%")
+    print(f"{'recompute':<20} {100 * cols[0].recompute_share:>17.1f}% {100 * cols[1].recompute_share:>17.1f}%")
+    print(f"{'checkpoints':<20} {'-':>18} {_fmt_plan(cols[1].checkpoints):>18}")
+    for c in cols:
+        print(f"{c.label}: peak reached in the {_where(c)}")
+    print("breakdown at the peak; transients: the working memory of what runs there (in backward, the new "
+          "gradients of that layer); recompute: forward FLOPs re-run in backward, as a share of a step "
+          "(forward + backward = 3 forwards)")
+    return 0
+
+
+def _fit_line(fit) -> str:
+    if not fit.batch:
+        return f"nothing fits: batch 1 needs {format_bytes(fit.next_peak_bytes)}"
+    line = f"batch {fit.batch} (peak {format_bytes(fit.peak_bytes)}"
+    if fit.next_peak_bytes is not None:
+        line += f"; batch {fit.batch + 1} needs {format_bytes(fit.next_peak_bytes)}"
+    line += ")"
+    if fit.strategy != "none":
+        line += f", checkpoints {_fmt_plan(fit.checkpoints)}, recompute {100 * fit.recompute_share:.1f}% of a step"
+    return line
+
+
+def cmd_max_batch(args: argparse.Namespace) -> int:
+    from ._models import load_model
+    from .planning import max_batch, plan_training
+
+    memory = parse_bytes(args.memory)
+    if args.target_batch is not None and args.target_batch < 1:
+        raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
+    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
+    model.train()
+    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf)
+    mb = max_batch(model, inputs, memory, **kw)
+    plan = plan_training(model, inputs, args.target_batch, memory, **kw) if args.target_batch else None
+    if args.json:
+        out = dict(model=args.model, dtype=args.dtype, device=args.device, **mb.to_dict())
+        if plan is not None:
+            out["training_plan"] = plan.to_dict()
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
+    import torch
+
+    shapes = ", ".join("x".join(map(str, t.shape[1:])) or "scalar" for t in inputs if isinstance(t, torch.Tensor))
+    opt = mb.optimizer
+    print(f"{args.model}: per-sample input {shapes} ({args.dtype}), memory {format_bytes(memory)}, "
+          f"optimizer {opt.name} ({opt.impl} step, {args.device})")
+    print(f"  no checkpointing: {_fit_line(mb.no_checkpointing)}")
+    print(f"  optimal plan:     {_fit_line(mb.optimal)}")
+    how = "affine in the batch size" if mb.affine else "not affine at the probes: re-fitted near the answer"
+    print(f"  ({mb.traces} traces; cost model {how}; each answer b confirmed by tracing b and b+1)")
+    if plan is not None:
+        _print_training_plan(plan)
+    return 0
+
+
+def _print_training_plan(plan) -> None:
+    print()
+    print(f"reaching batch {plan.target_batch} in {format_bytes(plan.memory_bytes)} with gradient accumulation "
+          f"(micro-batch = ceil({plan.target_batch} / steps)):")
+    head = (f"{'steps':>5} {'micro':>6} {'no ckpt':>11} {'optimal':>11}  {'least recompute that fits':<28} "
+            f"{'peak':>11} {'recompute':>9}")
+    print(head)
+    print("-" * len(head))
+    for o in plan.options:
+        if o.checkpoints is None:
+            chosen, peak, share = "does not fit", "-", "-"
+        else:
+            chosen = "no checkpointing" if not o.checkpoints else "checkpoints " + _fmt_plan(o.checkpoints, 5)
+            peak, share = format_bytes(o.peak_bytes), f"{100 * o.recompute_share:.1f}%"
+        print(f"{o.steps:>5} {o.micro_batch:>6} {format_bytes(o.peak_no_checkpointing):>11} "
+              f"{format_bytes(o.peak_optimal):>11}  {chosen:<28} {peak:>11} {share:>9}")
+    rec = plan.recommendation
+    if rec is None:
+        print("nothing fits, even at micro-batch 1 with the optimal plan: lower the memory of the step "
+              "(optimizer, dtype) or use a larger device")
+        return
+    how = "no checkpointing" if not rec.checkpoints else f"checkpoints {_fmt_plan(rec.checkpoints)}"
+    print(f"recommended (fewest accumulation steps, then least recompute): {rec.steps} step(s) of micro-batch "
+          f"{rec.micro_batch}, {how}: peak {format_bytes(rec.peak_bytes)}, recompute "
+          f"{100 * rec.recompute_share:.1f}% of a step")
+    free = next((o for o in plan.options if o.fits_no_checkpointing), None)
+    if free is not None and free is not rec:
+        print(f"without recomputation: {free.steps} steps of micro-batch {free.micro_batch} "
+              f"(peak {format_bytes(free.peak_no_checkpointing)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptopt", description="Choose activation checkpoints with the lowest peak training memory."
@@ -303,6 +452,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
     p.add_argument("--png", metavar="FILE", help="also draw a bar chart of the peaks")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("estimate", help="predicted peak of a training step (optimizer step included), with no "
+                                        "checkpointing and with the optimal plan, broken down by kind")
+    _model_args(p)
+    _dtype_help(p)
+    _planning_args(p)
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("max-batch", help="the largest batch that fits in a memory size, with no checkpointing and "
+                                         "with the optimal plan; with --target-batch, the gradient accumulation "
+                                         "that reaches it")
+    _model_args(p)
+    _dtype_help(p)
+    p.add_argument("--memory", required=True, metavar="SIZE",
+                   help="memory of the device: bytes or a size such as 8GiB, 8GB, 512MiB")
+    p.add_argument("--target-batch", type=int, metavar="N",
+                   help="the batch the optimizer should see: list micro-batch / accumulation-step choices that "
+                        "reach it within --memory, with their recompute overhead")
+    _planning_args(p)
+    p.set_defaults(func=cmd_max_batch)
     return parser
 
 
