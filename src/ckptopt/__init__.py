@@ -36,6 +36,9 @@ _LAZY = {
     "apply_plan": "ckptopt.rewriter",
     "CheckpointedModule": "ckptopt.rewriter",
     "TracedModel": "ckptopt.tracer",
+    "estimate": "ckptopt.planning",
+    "max_batch": "ckptopt.planning",
+    "plan_training": "ckptopt.planning",
 }
 
 
@@ -71,4 +74,7 @@ __all__ = [
     "measure_peak",
     "StorageTracker",
     "zoo",
+    "estimate",
+    "max_batch",
+    "plan_training",
 ]

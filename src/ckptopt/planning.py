@@ -525,6 +525,13 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
         return None
     slope["static"] = d // (b2 - b1)
     icpt["static"] = int(c1["static"]) - slope["static"] * b1
+    if "compute" in c1 and "compute" in c2:  # FLOPs per layer: affine when they can be, else as at b1
+        diffs = [int(v2) - int(v1) for v1, v2 in zip(c1["compute"], c2["compute"])]
+        if all(x % (b2 - b1) == 0 for x in diffs):
+            slope["compute"] = [x // (b2 - b1) for x in diffs]
+            icpt["compute"] = [int(v1) - s * b1 for v1, s in zip(c1["compute"], slope["compute"])]
+        else:
+            slope["compute"], icpt["compute"] = [0] * len(diffs), [int(v) for v in c1["compute"]]
     return icpt, slope
 
 
@@ -612,8 +619,8 @@ class BatchCosts:
         if self.names is not None:
             d["names"] = list(self.names)
         traced = self._traced[self._fit_batch].costs.to_dict()
-        if "compute" in traced:  # FLOPs: only their shares are used; taken from the traced batch
-            d["compute"] = traced["compute"]
+        if "compute" in icpt:
+            d["compute"] = [max(0, i + s * batch) for i, s in zip(icpt["compute"], slope["compute"])]
         base = traced["layers"]
         for k, v in base.items():
             if k in ("sin", "sout"):
