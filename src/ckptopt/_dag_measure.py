@@ -11,6 +11,7 @@ is what the node's backward adds on top of whatever else is live.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -209,12 +210,24 @@ def trace_dag(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = 
             xs = [values[a] for a in tin]
             grads = [bool(values[a].requires_grad) for a in tin]
             node = _measure_node(sub, xs, grads, n.name, [pos[a] if a in pos else -1 for a in tin])
+            node = dataclasses.replace(node, hook_bytes=_bn_hook_bytes(fgm, n))
             keep = [p for p, a in enumerate(tin) if a in pos]
             nodes.append(_only_inputs(node, keep, [pos[a] for a in in_ops]))
         loss = _WithLoss(None, tm.loss_fn or _default_loss)
         nodes.append(_measure_node(loss, [values[y_node]], [True], "<loss>", [pos[y_node]]))
     costs = DagCosts(nodes, tm.costs.static, _cuttable(ops, values, pos))
     return TracedDag(tm, costs, [n.name for n in ops] + ["<loss>"])
+
+
+def _bn_hook_bytes(gm: fx.GraphModule, n: fx.Node) -> int:
+    """Bytes the rewriter's BatchNorm hooks copy when node ``n`` is recomputed."""
+    if n.op != "call_module":
+        return 0
+    total = 0
+    for mod in gm.get_submodule(n.target).modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training and mod.num_batches_tracked is not None:
+            total += int(mod.num_batches_tracked.untyped_storage().nbytes())
+    return total
 
 
 def _only_inputs(v: DagNode, keep: list[int], producers: list[int]) -> DagNode:
@@ -228,7 +241,7 @@ def _only_inputs(v: DagNode, keep: list[int], producers: list[int]) -> DagNode:
                    tuple(remap[p] for p in v.saves_inputs if p in remap), v.saves_output,
                    v.extra, v.f, v.fs, v.b,
                    tuple(v.input_grads[p] for p in keep) if v.input_grads else tuple(0 for _ in keep),
-                   v.param_grad)
+                   v.param_grad, v.hook_bytes)
 
 
 def node_plan(td: TracedDag, cuts) -> NodePlan:

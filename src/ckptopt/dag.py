@@ -88,6 +88,11 @@ class DagNode:
         storage (shared).
     param_grad : int
         Bytes of the parameter gradients its backward creates (they persist).
+    hook_bytes : int
+        Bytes the rewriter's BatchNorm hook copies when the node is
+        recomputed (``num_batches_tracked``, 8 per BatchNorm), held until the
+        node's forward ends, or until the end of the step when the
+        recomputation stops inside it (DESIGN.md section 6).
     """
 
     name: str
@@ -103,6 +108,7 @@ class DagNode:
     b: int = 0
     input_grads: tuple[int, ...] = ()
     param_grad: int = 0
+    hook_bytes: int = 0
 
     @property
     def saves(self) -> bool:
@@ -270,7 +276,7 @@ def simulate_dag(costs: DagCosts, cuts: Sequence[int] = ()) -> DagResult:
 
     # ---- forward -----------------------------------------------------------
     drops: dict[int, list[int]] = {}
-    for t, end in enumerate(py_end):
+    for t, end in enumerate(py_end[:-1]):  # the loss itself stays referenced through the backward
         drops.setdefault(end, []).append(t)
     for i, v in enumerate(nodes):
         k = seg_of[i]
@@ -291,7 +297,9 @@ def simulate_dag(costs: DagCosts, cuts: Sequence[int] = ()) -> DagResult:
 
     # ---- backward ----------------------------------------------------------
     grads: dict[int, object] = {}  # node -> key of its output gradient storage
-    grads[n - 1] = None  # the loss's seed gradient (scalar) is left out, as in the chain model
+    sim.new(("seed",), nodes[-1].grad_bytes)  # loss.backward() seeds the loss's gradient,
+    sim.ref(("seed",))  # which torch.autograd.backward's frame holds until the end
+    grads[n - 1] = ("seed",)
     recomputed: set[int] = set()
     for i in range(n - 1, -1, -1):
         if i not in grads:
@@ -328,7 +336,7 @@ def simulate_dag(costs: DagCosts, cuts: Sequence[int] = ()) -> DagResult:
                 for s in frames[k][1]:
                     sim.unref(("f", s))
         for producer, key in new_grads:
-            _accumulate(sim, grads, producer, key, i)
+            _accumulate(sim, grads, producer, key, i, nodes[producer].grad_bytes)
     phase, node = sim.where
     return DagResult(int(sim.peak), phase, int(node))
 
@@ -406,6 +414,7 @@ def _recompute(sim: _Replay, nodes, bound, root, consumers) -> None:
     held = set()  # recomputed values Python still references
     for j in range(l, e + 1):
         v = nodes[j]
+        sim.new(("h", j), v.hook_bytes)  # the BatchNorm hook's copy of num_batches_tracked
         sim.check(v.fs if j == e else v.f, "recompute", j)
         computes = j < e or v.saves_output or v.extra > 0  # else it saves only inputs, packed first
         if computes:
@@ -418,7 +427,8 @@ def _recompute(sim: _Replay, nodes, bound, root, consumers) -> None:
         for s in _saved_roots(v, j, root, recompute=bound):
             sim.ref(s)
         if j == e:
-            break
+            break  # stops inside node e: the hook's copy is only dropped after the backward
+        sim.unref(("h", j))
         for t in sorted((set(v.inputs) | {j}) & held):
             if not any(j < c <= e for c in consumers[t]):
                 held.discard(t)
@@ -427,13 +437,12 @@ def _recompute(sim: _Replay, nodes, bound, root, consumers) -> None:
         sim.unref(key(t))
 
 
-def _accumulate(sim: _Replay, grads: dict, producer: int, key, at: int) -> None:
+def _accumulate(sim: _Replay, grads: dict, producer: int, key, at: int, size: int) -> None:
     """Add a gradient contribution to ``producer``'s output gradient (out of place)."""
     old = grads.get(producer)
     if old is None:
         grads[producer] = key
         return
-    size = sim.size.get(old, 0) or sim.size.get(key, 0)
     total = ("g+", producer, at)
     sim.new(total, size)
     sim.check(0, "grad-sum", at)
