@@ -104,3 +104,44 @@ def deep_factory(batch_size=16):
     for _ in range(6):
         layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers, torch.nn.Linear(64, 2)), (torch.randn(batch_size, 64),)
+
+
+def test_estimate_table_and_json(capsys):
+    code, out, _ = run(capsys, "estimate", "tests.test_cli:deep_factory", "--batch", "4096", "--optimizer", "sgd")
+    assert code == 0
+    for row in ("parameters", "gradients", "optimizer state", "activations", "transients", "peak"):
+        assert f"\n{row} " in out
+    code, out, _ = run(capsys, "estimate", "tests.test_cli:deep_factory", "--batch", "2", "--json")
+    data = json.loads(out)
+    assert data["optimizer"]["name"] == "adam" and data["no_checkpointing"]["at"] == "optimizer step"
+    bd = data["no_checkpointing"]["breakdown"]
+    assert sum(bd.values()) == data["no_checkpointing"]["peak_bytes"]
+
+
+def test_max_batch_json_with_target(capsys):
+    code, out, _ = run(capsys, "max-batch", "tests.test_cli:deep_factory", "--memory", "2MiB", "--optimizer", "sgd",
+                       "--target-batch", "4000", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert 0 < data["no_checkpointing"]["batch"] <= data["optimal"]["batch"]
+    assert data["no_checkpointing"]["peak_bytes"] <= 2 * 2**20 < data["no_checkpointing"]["next_peak_bytes"]
+    plan = data["training_plan"]
+    rec = plan["options"][plan["recommended"]]
+    assert rec["peak_bytes"] <= 2 * 2**20 and rec["steps"] * rec["micro_batch"] >= 4000
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["max-batch", "mlp", "--memory", "8 furlongs"], "not a memory size"),
+    (["max-batch", "mlp", "--memory", "0"], "positive"),
+    (["estimate", "mlp", "--optimizer", "lion"], "invalid choice"),
+])
+def test_planning_bad_input(capsys, argv, match):
+    with pytest.raises(SystemExit) if "invalid choice" in match else _nullcontext():
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and match in err
+
+
+def _nullcontext():
+    import contextlib
+
+    return contextlib.nullcontext()
