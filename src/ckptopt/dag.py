@@ -451,15 +451,16 @@ def _accumulate(sim: _Replay, grads: dict, producer: int, key, at: int, size: in
     grads[producer] = total
 
 
-def brute_force_dag(costs: DagCosts, limit: int = 16) -> list[tuple[tuple[int, ...], int]]:
-    """Every plan over ``costs.cuttable`` with its simulated peak (at most 2**limit plans).
+def brute_force_dag(costs: DagCosts, limit: int = 16,
+                    positions: Iterable[int] | None = None) -> list[tuple[tuple[int, ...], int]]:
+    """Every plan over ``positions`` (default ``costs.cuttable``) with its simulated peak.
 
     Raises
     ------
     ProblemTooLarge
-        More than ``limit`` cut positions.
+        More than ``limit`` cut positions (2**limit plans).
     """
-    pos = list(costs.cuttable)
+    pos = sorted(costs.cuttable if positions is None else positions)
     if len(pos) > limit:
         raise ProblemTooLarge(f"{len(pos)} cut positions give 2**{len(pos)} plans; "
                               f"brute force is limited to {limit} positions")
