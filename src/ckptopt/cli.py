@@ -340,9 +340,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def _fit_line(fit) -> str:
     if not fit.batch:
         return f"nothing fits: batch 1 needs {format_bytes(fit.next_peak_bytes)}"
-    line = f"batch {fit.batch} (peak {format_bytes(fit.peak_bytes)}"
+    line = f"batch {fit.batch} (peak {format_bytes(fit.peak_bytes)} = {fit.peak_bytes} B"
     if fit.next_peak_bytes is not None:
-        line += f"; batch {fit.batch + 1} needs {format_bytes(fit.next_peak_bytes)}"
+        line += f"; batch {fit.batch + 1} needs {fit.next_peak_bytes} B"
     line += ")"
     if fit.strategy != "none":
         line += f", checkpoints {_fmt_plan(fit.checkpoints)}, recompute {100 * fit.recompute_share:.1f}% of a step"
