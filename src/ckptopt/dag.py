@@ -51,7 +51,7 @@ from typing import Iterable, Sequence
 from .errors import InvalidPlan, ProblemTooLarge
 
 __all__ = ["DagNode", "DagCosts", "DagResult", "NodePlan", "simulate_dag", "segment_bounds",
-           "brute_force_dag"]
+           "brute_force_dag", "local_search_dag"]
 
 
 @dataclass(frozen=True)
@@ -469,3 +469,37 @@ def brute_force_dag(costs: DagCosts, limit: int = 16,
         for cuts in itertools.combinations(pos, m):
             out.append((cuts, simulate_dag(costs, cuts).peak_bytes))
     return out
+
+
+def local_search_dag(costs: DagCosts, start: Iterable[int] = (), max_passes: int = 100,
+                     shifts: int = 2) -> tuple[tuple[int, ...], int]:
+    """A node-level plan found by descent from ``start``: (cuts, simulated peak).
+
+    Each pass tries every single move (add or remove one cut, or move one cut
+    by up to ``shifts`` allowed positions) and takes the best that lowers the
+    simulated peak (ties: fewer cuts); it stops when none does. A heuristic,
+    not an optimum: it gives an upper bound on the node-level optimum, which
+    the benchmarks compare with brute force where brute force is feasible.
+
+    Notes
+    -----
+    Each pass costs O(c) simulations for c allowed positions.
+    """
+    pos = list(costs.cuttable)
+    index = {p: k for k, p in enumerate(pos)}
+    cur = tuple(sorted(start))
+    best = simulate_dag(costs, cur).peak_bytes
+    for _ in range(max_passes):
+        cand = set()
+        for p in pos:
+            cand.add(tuple(sorted(set(cur) ^ {p})))
+        for c in cur:
+            for d in range(-shifts, shifts + 1):
+                k = index[c] + d
+                if d and 0 <= k < len(pos) and pos[k] not in cur:
+                    cand.add(tuple(sorted((set(cur) - {c}) | {pos[k]})))
+        scored = min((simulate_dag(costs, c).peak_bytes, len(c), c) for c in cand)
+        if (scored[0], scored[1]) >= (best, len(cur)):
+            break
+        best, cur = scored[0], scored[2]
+    return cur, int(best)
