@@ -436,3 +436,20 @@ def test_fake_tracker_matches_real_tracker():
     with fm:
         ignored = step(fake_model2, torch.empty(16, 64), StorageTracker())
     assert ignored == (0, 0)
+
+
+def test_fake_measurement_of_a_plan_does_not_copy_the_rewritten_module(monkeypatch):
+    """fake=True with checkpoints traces the model and rewrites a fake copy of it. Copying the
+    rewritten module instead overflowed the recursion limit on ResNet-50-sized graphs (its
+    graph module's node list is deep-copied recursively); a copy now fails loudly here."""
+    from ckptopt import CheckpointedModule, solve, trace, zoo
+
+    def refuse(self, memo):
+        raise AssertionError("a CheckpointedModule was deep-copied")
+
+    monkeypatch.setattr(CheckpointedModule, "__deepcopy__", refuse, raising=False)
+    torch.manual_seed(0)
+    model, x = zoo.get("resnet18", batch_size=2, input_size=32)
+    plan = solve(trace(model, x).costs, "sqrt").checkpoints
+    assert plan
+    assert measure_peak(model, x, checkpoints=plan, fake=True) == measure_peak(model, x, checkpoints=plan)

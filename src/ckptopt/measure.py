@@ -504,8 +504,12 @@ def _train_step(model: nn.Module, args: tuple, loss_fn: Callable | None) -> None
     del loss
 
 
-def _with_checkpoints(model: nn.Module, args: tuple, loss_fn, checkpoints) -> nn.Module:
-    """The model rewritten to checkpoint at ``checkpoints`` (a Plan or segment-start layers)."""
+def _with_checkpoints(model: nn.Module, args: tuple, loss_fn, checkpoints, target: nn.Module | None = None) -> nn.Module:
+    """The model rewritten to checkpoint at ``checkpoints`` (a Plan or segment-start layers).
+
+    ``target``: a copy of ``model`` (same structure, e.g. on fake tensors) to
+    rewrite instead of ``model`` itself; ``model`` is what gets traced.
+    """
     from .rewriter import apply_plan
     from .simulate import normalize_plan, simulate
     from .solvers import Plan
@@ -517,11 +521,15 @@ def _with_checkpoints(model: nn.Module, args: tuple, loss_fn, checkpoints) -> nn
     else:
         cps = normalize_plan(tm.costs, checkpoints)
         plan = Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n)
-    return apply_plan(model, tm, plan)
+    return apply_plan(model if target is None else target, tm, plan)
 
 
-def _measure_fake(model: nn.Module, args: tuple, loss_fn) -> PeakMeasurement:
-    """The tracker's figure for one step of a fake copy of ``model``: nothing is allocated."""
+def _measure_fake(model: nn.Module, args: tuple, loss_fn, checkpoints=None) -> PeakMeasurement:
+    """The tracker's figure for one step of a fake copy of ``model``: nothing is allocated.
+
+    With ``checkpoints``, ``model`` is traced and the plan applied to the fake
+    copy (a rewritten module is not copied: it wraps the traced graph).
+    """
     from torch._dynamo.utils import deepcopy_to_fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -530,16 +538,19 @@ def _measure_fake(model: nn.Module, args: tuple, loss_fn) -> PeakMeasurement:
     for prm in fmodel.parameters():
         prm.grad = None
     fargs = tuple(fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    run = fmodel if checkpoints is None else _with_checkpoints(model, args, loss_fn, checkpoints, target=fmodel)
     tracker = StorageTracker(timeline=True, fake=True)
     try:
         with fm, torch.enable_grad():
             tracker.register(fmodel, fargs)
             with tracker:
-                _train_step(fmodel, fargs, loss_fn)
+                _train_step(run, fargs, loss_fn)
         dev = next((a.device for a in fargs if isinstance(a, torch.Tensor)), torch.device("cpu"))
         return PeakMeasurement(tracker.peak_bytes, None, dev, tracker.timeline)
     finally:
         tracker.detach()
+        if run is not fmodel:
+            run.remove_hooks()
 
 
 def measure_peak_detailed(
@@ -560,10 +571,10 @@ def measure_peak_detailed(
     """
     _check_module(model, "measure_peak")
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    if fake:
+        return _measure_fake(model, args, loss_fn, checkpoints)
     if checkpoints is not None:
         model = _with_checkpoints(model, args, loss_fn, checkpoints)
-    if fake:
-        return _measure_fake(model, args, loss_fn)
     dev = _resolve_device(model, args, device, "measure_peak")
 
     with _no_lasting_state(model, args, dev):

@@ -68,8 +68,10 @@ class Layer:
     costs : LayerMeasurement
         The measured chain-model quantities.
     flops : int
-        Forward floating-point operations (``torch.utils.flop_counter``;
-        ops without a formula, such as elementwise ones, count 0).
+        Forward compute: floating-point operations from
+        ``torch.utils.flop_counter``, plus one per output element of every
+        other non-view op (elementwise ops, norms, pooling). The cost
+        model's ``c``.
     """
 
     index: int
@@ -522,7 +524,7 @@ def trace(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
-        names=[l.name for l in layers],
+        names=[l.name for l in layers], c=[l.flops for l in layers],
     )
     graph = _nx_graph(gm, values, fake_gm)
     return TracedModel(gm, graph, layers, costs, opaque, input_bytes, param_bytes, buffer_bytes,
@@ -530,11 +532,26 @@ def trace(
 
 
 def _forward_flops(module: nn.Module, x: torch.Tensor) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+    """Forward compute of a layer: FLOPs of the ops ``torch.utils.flop_counter``
+    has a formula for (matmuls, convolutions, attention), plus one per output
+    element of every other op that is not a view (elementwise ops, norms,
+    pooling), so that layers without a matmul do not look free to re-run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    class _Elementwise(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket not in flop_registry and not func.is_view:
+                _Elementwise.total += sum(t.numel() for t in _tensors(out))
+            return out
+
+    _Elementwise.total = 0
+    with torch.no_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
         module(x.detach().clone())
-    return int(counter.get_total_flops())
+    return int(counter.get_total_flops()) + int(_Elementwise.total)
 
 
 def _autocast_cache_bytes(fake_gm: fx.GraphModule, fake_args: list, fake_mode) -> int:

@@ -1,0 +1,136 @@
+"""Recomputation against memory budget: the whole trade-off curve of each model.
+
+For each model (sizes below, CPU-friendly), the model is traced once
+(``ckptopt.trace``; fake tensors) and ``ckptopt.solvers.pareto_front(costs)``
+returns every plan that is Pareto-optimal in (peak, recomputation), from the
+lowest peak (most recomputation) to the lowest-peak plan that recomputes
+nothing. The ``budget`` solver's answer for any budget B is the point with the
+largest peak <= B, so this list *is* the curve of ``solve(costs, "budget",
+budget=B)``: it is checked at every point (same recomputation).
+
+Recomputation is the forward compute re-run in backward (``ChainCosts.c``:
+FLOPs from ``torch.utils.flop_counter`` plus one per output element of other
+ops), reported as a share of a step taken as 3 x forward
+(``SimResult.recompute_share``).
+
+Three points per model (lowest peak, middle, no recomputation) are measured:
+the plan is applied and one training step is run on fake tensors with the exact
+storage tracker (``ckptopt.measure_peak(..., checkpoints=plan, fake=True)``),
+which counts the same bytes as a real CPU run without allocating.
+
+Writes ``benchmarks/results/budget_curve.json`` and ``budget_curve.png``.
+Run: ``python benchmarks/budget_curve.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from _common import run_metadata  # noqa: E402
+from ckptopt import measure_peak, simulate, solve, trace, zoo  # noqa: E402
+from ckptopt.solvers import pareto_front  # noqa: E402
+
+MODELS = {
+    "resnet50": ("resnet50", dict(batch_size=8, input_size=96)),
+    "densenet121": ("densenet121", dict(batch_size=8, input_size=64)),
+    "unet": ("unet", dict(batch_size=4, input_size=96, base=16)),
+    "mobilenet_v2": ("mobilenet_v2", dict(batch_size=16, input_size=64)),
+    "gpt": ("gpt", dict(batch_size=8, input_size=256, depth=6, width=128, heads=4, seq_len=256, vocab=1000)),
+    "mlp@2048": ("mlp", dict(batch_size=2048, width=1024, depth=24)),
+}
+OUT = os.path.join(os.path.dirname(__file__), "results")
+
+
+def run_model(name: str) -> dict:
+    zname, kw = MODELS[name]
+    torch.manual_seed(0)
+    model, inputs = zoo.get(zname, **kw)
+    tm = trace(model, inputs)
+    c = tm.costs
+    dp2 = solve(c, "dp2")  # also compiles the kernels, so the timing below excludes compilation
+    t0 = time.perf_counter()
+    front = pareto_front(c)
+    seconds = time.perf_counter() - t0
+    none = simulate(c, ())
+    points = []
+    for peak, rec, plan in front:
+        s = simulate(c, plan)
+        assert (s.peak_bytes, s.recompute_flops) == (peak, rec)
+        b = solve(c, "budget", budget=peak)
+        assert simulate(c, b.checkpoints).recompute_flops == rec, (name, peak)
+        points.append(dict(peak_bytes=peak, recompute_flops=rec, recompute_share=s.recompute_share,
+                           checkpoints=list(plan)))
+    picks = sorted({0, len(front) // 2, len(front) - 1})
+    for i in picks:
+        plan = tuple(points[i]["checkpoints"])
+        points[i]["measured_peak_bytes"] = int(measure_peak(model, inputs, checkpoints=plan, fake=True))
+    return dict(model=zname, size=kw, n=c.n, none_peak_bytes=none.peak_bytes, static_bytes=c.static,
+                forward_flops=none.forward_flops, front_seconds=seconds, points=points,
+                dp2_peak_bytes=dp2.peak_bytes, dp2_recompute_flops=simulate(c, dp2.checkpoints).recompute_flops)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, r in results.items():
+        xs = [p["peak_bytes"] / r["none_peak_bytes"] * 100 for p in r["points"]]
+        ys = [p["recompute_share"] * 100 for p in r["points"]]
+        ax.step(xs, ys, where="post", label=f"{name} (n={r['n']}, {len(xs)} points)")
+        mx = [p["peak_bytes"] / r["none_peak_bytes"] * 100 for p in r["points"] if "measured_peak_bytes" in p]
+        my = [p["recompute_share"] * 100 for p in r["points"] if "measured_peak_bytes" in p]
+        ax.plot(mx, my, "o", ms=4, color=ax.lines[-1].get_color())
+    ax.set_xlabel("peak memory, % of no checkpointing (budget)")
+    ax.set_ylabel("recomputation, % of a training step")
+    ax.set_title("Least recomputation for each budget (ckptopt 'budget' solver)\n"
+                 "dots: plans measured (fake tensors, exact tracker)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = ap.parse_args(argv)
+    os.makedirs(OUT, exist_ok=True)
+    results = {}
+    for name in args.models:
+        results[name] = r = run_model(name)
+        meas = [(p["peak_bytes"], p["measured_peak_bytes"]) for p in r["points"] if "measured_peak_bytes" in p]
+        print(f"{name}: n={r['n']} points={len(r['points'])} front {r['front_seconds']*1e3:.1f} ms; "
+              f"peak {r['points'][0]['peak_bytes']/2**20:.1f}..{r['points'][-1]['peak_bytes']/2**20:.1f} MiB "
+              f"(none {r['none_peak_bytes']/2**20:.1f}); share {r['points'][0]['recompute_share']*100:.1f}%..0; "
+              f"predicted-measured {[p - m for p, m in meas]} B", flush=True)
+    data = dict(meta=run_metadata("budget_curve"), results=results)
+    with open(os.path.join(OUT, "budget_curve.json"), "w") as fh:
+        json.dump(data, fh, indent=1)
+    plot(results, os.path.join(OUT, "budget_curve.png"))
+    print("| model | n | Pareto points | front time | lowest peak (recompute share) | dp2 peak (share) | peak with no recompute | no checkpointing | measured - predicted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        p0, pl = r["points"][0], r["points"][-1]
+        meas = [p["measured_peak_bytes"] - p["peak_bytes"] for p in r["points"] if "measured_peak_bytes" in p]
+        dp2_share = r["dp2_recompute_flops"] / (3 * r["forward_flops"]) * 100
+        print(f"| {name} | {r['n']} | {len(r['points'])} | {r['front_seconds']*1e3:.1f} ms "
+              f"| {p0['peak_bytes']/2**20:.2f} MiB ({p0['recompute_share']*100:.1f}%) "
+              f"| {r['dp2_peak_bytes']/2**20:.2f} MiB ({dp2_share:.1f}%) "
+              f"| {pl['peak_bytes']/2**20:.2f} MiB | {r['none_peak_bytes']/2**20:.2f} MiB | {', '.join(f'{x:+d} B' for x in meas)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
