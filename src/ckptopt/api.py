@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+import torch
+
 import torch.nn as nn
 
 from .rewriter import CheckpointedModule, apply_plan
 from .simulate import simulate
-from .solvers import Plan, _lookup, solve
+from .errors import TraceError
+from .solvers import Plan, _check_budget, _lookup, solve
 
 __all__ = ["optimize_checkpoints", "AUTO_EXACT_MAX_N"]
 
@@ -34,8 +37,11 @@ def optimize_checkpoints(
     example_inputs : Tensor or tuple
         One batch of positional inputs, at the shapes training will use.
     solver : str
-        ``"auto"`` (exact ``dp2`` up to ``AUTO_EXACT_MAX_N`` layers, ``linear``
-        beyond) or any name of :data:`ckptopt.SOLVERS`.
+        ``"auto"``: without a budget, the lowest peak (exact ``dp2`` up to
+        ``AUTO_EXACT_MAX_N`` layers, ``linear`` beyond), the least
+        recomputation among the plans reaching it; with a budget, ``budget``:
+        the plan with the least recomputation whose peak fits. Or any name of
+        :data:`ckptopt.SOLVERS`.
     budget : int, optional
         Peak-memory budget in bytes; :class:`ckptopt.InfeasibleBudget` (with
         the smallest achievable peak) when no plan fits.
@@ -65,10 +71,106 @@ def optimize_checkpoints(
 
     if solver != "auto":
         _lookup(solver)  # fail on a bad name before tracing
-    tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
-    name = solver if solver != "auto" else ("dp2" if tm.n <= AUTO_EXACT_MAX_N else "linear")
+    if budget is not None:
+        _check_budget(budget)  # and on a bad budget
+    state = _python_state(model) if isinstance(model, nn.Module) else {}
+    try:
+        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
+        _check_forward_has_no_python_side_effects(model, example_inputs)
+    finally:
+        _restore_python_state(state)  # FX runs the forward's Python code on the model itself
+    if solver != "auto":
+        name = solver
+    elif budget is not None:
+        name = "budget"
+    else:
+        name = "dp2" if tm.n <= AUTO_EXACT_MAX_N else "linear"
     plan = solve(tm.costs, name, budget=budget)
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     return apply_plan(model, tm, plan)
+
+
+# --------------------------------------------------------------------------
+# forwards with Python side effects (a counter, a list that grows)
+# --------------------------------------------------------------------------
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _python_state(model: nn.Module) -> dict:
+    """``(module path, attribute) -> (object, copy)`` for every plain-Python attribute of every submodule.
+
+    Numbers, strings and None are kept as they are; lists, dicts and sets as
+    shallow copies (restored in place, so the user's object stays the same).
+    Tensors, modules and nn.Module's own bookkeeping are left out.
+    """
+    state = {}
+    for path, mod in model.named_modules():
+        for attr, value in vars(mod).items():
+            if attr in _MODULE_INTERNALS:
+                continue
+            if value is None or isinstance(value, (bool, int, float, str)):
+                state[(path, attr)] = (mod, value)
+            elif isinstance(value, (list, dict, set)):
+                state[(path, attr)] = (mod, type(value)(value))
+    return state
+
+
+def _restore_python_state(state: dict) -> None:
+    for (_, attr), (mod, saved) in state.items():
+        current = vars(mod).get(attr)
+        if isinstance(saved, (list, dict, set)) and type(current) is type(saved):
+            current.clear()
+            current.update(saved) if not isinstance(saved, list) else current.extend(saved)
+        else:
+            setattr(mod, attr, saved)
+
+
+def _changes(before: dict, after: dict) -> list[str]:
+    out = []
+    for key, (_, old) in before.items():
+        new = after.get(key, (None, "<deleted>"))[1]
+        if repr(old) != repr(new):
+            path, attr = key
+            out.append(f"{path or 'the model'}.{attr}: {old!r} -> {new!r}"[:160])
+    return out
+
+
+def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: Any) -> None:
+    """Raise when running the forward again changes a plain-Python attribute of a submodule.
+
+    A checkpointed segment runs its forward a second time during backward,
+    so a forward that counts calls or appends to a list would do it twice
+    per step. The forward runs twice on a fake-tensor copy of the model (no
+    memory, the model itself is not touched); a change between the first
+    and the second run (not a one-time lazy initialization) is an error.
+    """
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    copy = deepcopy_to_fake_tensor(model, fake_mode)
+    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    try:
+        with fake_mode, torch.no_grad():
+            copy(*fake_args)
+            first = _python_state(copy)
+            copy(*fake_args)
+    except Exception as exc:
+        raise TraceError(
+            f"running {type(model).__name__} on the example inputs failed: {type(exc).__name__}: {exc}. "
+            "Check that the example inputs match what the model's forward expects (number, shapes, dtypes).",
+            node=type(model).__name__,
+        ) from exc
+    changed = _changes(first, _python_state(copy))
+    if changed:
+        raise TraceError(
+            f"the forward of {type(model).__name__} changes Python state each time it runs "
+            f"({'; '.join(changed[:3])}). Checkpointing runs a segment's forward again during backward, "
+            "so that change would happen twice per training step. Keep such state out of forward "
+            "(count steps in the training loop), or, if running it twice is harmless, rewrite "
+            "explicitly with ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
+            node=changed[0].split(":")[0],
+        )
