@@ -30,6 +30,7 @@ Design note (DESIGN.md section 6):
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -138,6 +139,8 @@ def _segments_of_groups(gm: fx.GraphModule, groups: list[list[fx.Node]], wrapped
     for k, members in enumerate(groups):
         outputs = [m for m in members if last_use.get(m.name, -1) > k]
         sub = _subgraph_module(gm, members, inputs_of[k], tuple(outputs))
+        if not wrapped[k]:
+            _take_inputs_from_list(sub)
         values = [a.name for a in inputs_of[k]] + [m.name for m in outputs]
         drop = tuple(dict.fromkeys(nm for nm in values if last_use.get(nm, -1) <= k))
         segments.append(_Segment(k, tuple(m.name for m in members), wrapped[k], type(sub),
@@ -277,8 +280,12 @@ class CheckpointedModule(nn.Module):
             fn = _bound(seg.code, self)
             if seg.wrapped and do_ckpt:
                 res = checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=True)
-            else:
+            elif seg.wrapped:
                 res = fn(*inputs)
+            else:  # it empties the list: each input is freed after its last use inside the segment
+                for nm in seg.drop_names:
+                    env.pop(nm, None)
+                res = fn(inputs)
             del inputs
             env.update(zip(seg.output_names, res))
             del res
@@ -358,6 +365,28 @@ def _attr(root: nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _take_inputs_from_list(sub: fx.GraphModule) -> None:
+    """Make ``sub``'s forward take its inputs as one list, which it empties on entry.
+
+    Called as ``forward(self, *inputs)``, the caller's argument tuple would
+    hold every input until the segment returns; an unwrapped segment (which
+    does not checkpoint its inputs) must free an input after its last use, as
+    the unmodified model does (found by random-model fuzzing: the input of a
+    last segment whose ops do not save it stayed alive through its forward).
+    """
+    g = sub.graph
+    old = [n for n in g.nodes if n.op == "placeholder"]
+    body = next(n for n in g.nodes if n.op != "placeholder")  # the output node at the latest
+    with g.inserting_before(body):  # inserting_before keeps the new nodes in order
+        box = g.placeholder("ckptopt_inputs")
+        taken = [g.call_function(operator.getitem, (box, i)) for i in range(len(old))]
+        g.call_method("clear", (box,))
+    for ph, t in zip(old, taken):
+        ph.replace_all_uses_with(t)
+        g.erase_node(ph)
+    sub.recompile()
 
 
 def _bound(cls: type, self: nn.Module) -> Callable:
