@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import run_metadata  # noqa: E402
 
-from ckptopt import apply_plan, simulate, solve, zoo  # noqa: E402
-from ckptopt._dag_measure import trace_dag  # noqa: E402
+from ckptopt import apply_plan, solve, zoo  # noqa: E402
+from ckptopt._dag_measure import solve_nodes, trace_dag  # noqa: E402
 from ckptopt.dag import NodePlan, brute_force_dag, local_search_dag, simulate_dag  # noqa: E402
 from ckptopt.measure import StorageTracker  # noqa: E402
 from tests.test_dag_exactness import CASES  # noqa: E402
@@ -63,9 +63,7 @@ def fake_peak(model, inputs, td, cuts) -> int:
         module.remove_hooks()
 
 
-def chain_cuts(td, checkpoints) -> tuple[int, ...]:
-    index = {nm: k for k, nm in enumerate(td.names)}
-    return tuple(index[td.traced.layers[j].nodes[0]] for j in checkpoints)
+from ckptopt._dag_measure import chain_plan_as_node_cuts as chain_cuts  # noqa: E402
 
 
 def one_model(name, model, inputs, brute: bool) -> dict:
@@ -81,8 +79,9 @@ def one_model(name, model, inputs, brute: bool) -> dict:
         node_cuts, node_sim = min(sims, key=lambda kv: (kv[1], len(kv[0])))
         method = f"brute force over all {len(sims)} node-level plans"
     else:
-        node_cuts, node_sim = local_search_dag(costs, c_cuts)
-        method = "local search from the chain optimum (upper bound on the node-level optimum)"
+        plan = solve_nodes(td)  # local search from the chain optimum and from no cut
+        node_cuts, node_sim = plan.cuts, plan.peak_bytes
+        method = "local search from the chain optimum and from no cut (upper bound on the node-level optimum)"
     search_s = time.perf_counter() - t0
     ls_cuts, ls_sim = local_search_dag(costs, c_cuts) if brute else (node_cuts, node_sim)
     none_measured = fake_peak(model, inputs, td, ())

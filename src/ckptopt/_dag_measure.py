@@ -25,7 +25,7 @@ from .errors import TraceError
 from .measure import StorageTracker, _default_loss
 from .tracer import TracedModel, _FakeRecorder, _WithLoss, _subgraph_module, _tensors, trace
 
-__all__ = ["TracedDag", "trace_dag", "op_nodes"]
+__all__ = ["TracedDag", "trace_dag", "op_nodes", "solve_nodes", "optimize_nodes", "chain_plan_as_node_cuts"]
 
 _OPS = ("call_module", "call_function", "call_method")
 
@@ -250,3 +250,47 @@ def node_plan(td: TracedDag, cuts) -> NodePlan:
 
     cuts = tuple(sorted(cuts))
     return NodePlan(cuts, td.costs.n, simulate_dag(td.costs, cuts).peak_bytes)
+
+
+def chain_plan_as_node_cuts(td: TracedDag, checkpoints) -> tuple[int, ...]:
+    """The node positions where the chain plan ``checkpoints`` (layer indices) cuts."""
+    index = {nm: k for k, nm in enumerate(td.names)}
+    return tuple(index[td.traced.layers[j].nodes[0]] for j in checkpoints)
+
+
+def solve_nodes(td: TracedDag, brute_limit: int = 14) -> NodePlan:
+    """The best node-level plan found: brute force when few positions, else local search.
+
+    With at most ``brute_limit`` allowed cut positions every plan is
+    simulated (exact optimum under the node-level simulator). Otherwise a
+    local search (:func:`ckptopt.dag.local_search_dag`) starts from the chain
+    optimum over single-tensor cuts (``solve(costs, "dp2")``) and from no
+    cut; the result is never worse than the chain optimum under the
+    node-level simulator, but it is not proven optimal.
+    """
+    from .dag import brute_force_dag, local_search_dag, simulate_dag
+    from .solvers import solve
+
+    costs = td.costs
+    if len(costs.cuttable) <= brute_limit:
+        cuts, peak = min(brute_force_dag(costs, limit=brute_limit), key=lambda kv: (kv[1], len(kv[0])))
+        return NodePlan(tuple(cuts), costs.n, int(peak), "dag-brute")
+    chain = chain_plan_as_node_cuts(td, solve(td.traced.costs, "dp2").checkpoints)
+    found = [local_search_dag(costs, start) for start in (chain, ())]
+    found.append((chain, simulate_dag(costs, chain).peak_bytes))
+    cuts, peak = min(found, key=lambda cp: (cp[1], len(cp[0])))
+    return NodePlan(tuple(cuts), costs.n, int(peak), "dag-local-search")
+
+
+def optimize_nodes(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None):
+    """Experimental: like :func:`ckptopt.optimize_checkpoints`, with cuts anywhere in the graph.
+
+    Traces every node (:func:`trace_dag`), picks a node-level plan with
+    :func:`solve_nodes` and rewrites the model with it. Returns the
+    :class:`~ckptopt.rewriter.CheckpointedModule` (its ``plan`` is a
+    :class:`~ckptopt.dag.NodePlan`).
+    """
+    from .rewriter import apply_plan
+
+    td = trace_dag(model, example_inputs, loss_fn=loss_fn)
+    return apply_plan(model, td.traced, solve_nodes(td))

@@ -15,9 +15,10 @@ non-reentrant ``checkpoint(fn, *inputs)``. A storage is alive while one of
 these references it:
 
 * **Python** (the forward): from its creation until its last consumer inside
-  its segment has run, or, when later segments read it, until the last of
-  them has finished its forward (the rewritten module keeps a segment's
-  inputs for the whole segment). The model output lives until the loss.
+  its segment, or inside the unwrapped last segment, has run; when a later
+  checkpointed segment reads it, until that segment's forward has finished
+  (``checkpoint(fn, *inputs)`` keeps its arguments for the whole call). The
+  model output lives until the loss has run, the loss through the backward.
 * **an unwrapped node** that saves it, from that node's forward until its
   backward has run;
 * **a checkpointed segment that saves at least one tensor** holds all its
@@ -365,12 +366,10 @@ def _python_ends(nodes, consumers, bounds, seg_of) -> list[int]:
     for t in range(n):
         end = t
         for c in consumers[t]:
-            if c == n - 1:  # the loss: after it runs
-                end = max(end, c)
-            elif seg_of[c] == seg_of[t]:
-                end = max(end, c)
-            else:  # a later segment keeps its inputs for its whole forward
-                end = max(end, min(bounds[seg_of[c]][1], n - 2))
+            if seg_of[c] == seg_of[t] or seg_of[c] == len(bounds) - 1:
+                end = max(end, c)  # dropped after its last consumer (the unwrapped segment too)
+            else:  # a later checkpointed segment keeps its inputs for its whole forward
+                end = max(end, bounds[seg_of[c]][1])
         ends.append(end)
     return ends
 
