@@ -19,7 +19,9 @@ each group of nodes between two candidate cuts is one *layer*, measured as a
 whole. For a chain (VGG, an MLP) every node boundary qualifies; for a ResNet
 or a transformer the cuts fall between residual blocks; a DenseNet is cut
 between dense blocks, and a U-Net only where no skip connection is open.
-Cuts inside those regions (several tensors crossing) are not offered yet.
+Cuts inside those regions (several tensors crossing) are not offered here;
+the experimental node-level path (:mod:`ckptopt.dag`,
+:func:`ckptopt._dag_measure.trace_dag`) cuts before any node.
 
 **Measurement.** Each layer runs forward and backward once in isolation
 under ``FakeTensorMode`` with :func:`ckptopt.measure.measure_layer`: the
