@@ -25,6 +25,29 @@ def every_plan(c):
     return out
 
 
+def every_plan_with_stored(c):
+    """(peak, recompute, plan, stored) of every plan and every choice of unwrapped segments
+    (full form; the additive form has no stored segments)."""
+    out = []
+    if c.is_additive:
+        return [(p, r, plan, ()) for p, r, plan in every_plan(c)]
+    for peak, rec, plan in every_plan(c):
+        starts = (0,) + plan
+        for k in range(len(starts)):
+            for stored in itertools.combinations(starts[:-1], k):
+                r = int(sum(int(c.c[i]) for i in recomputed_layers(c, plan, stored)))
+                out.append((simulate(c, plan, stored).peak_bytes, r, plan, stored))
+    return out
+
+
+def front_of(points):
+    front = []
+    for peak, rec, *_ in sorted(points, key=lambda t: (t[0], t[1])):
+        if not front or rec < front[-1][1]:
+            front.append((peak, rec))
+    return front
+
+
 @given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)), st.data())
 def test_simulator_reports_the_recomputation_of_recomputed_layers(c, data):
     plan = tuple(sorted(data.draw(st.sets(st.integers(1, max(1, c.n - 1)), max_size=c.n - 1)) - {c.n} if c.n > 1 else set()))
@@ -58,27 +81,51 @@ def test_pareto_front_equals_enumeration(c):
     for peak, rec, _ in sorted(plans):
         if not front or rec < front[-1][1]:
             front.append((peak, rec))
-    got = pareto_front(c)
-    assert [(p, r) for p, r, _ in got] == front
-    for p, r, plan in got:  # each point's plan really has that peak and recomputation
+    got = pareto_front(c, allow_stored=False)
+    assert [(p, r) for p, r, _, _ in got] == front
+    for p, r, plan, stored in got:  # each point's plan really has that peak and recomputation
+        assert stored == ()
         s = simulate(c, plan)
         assert (s.peak_bytes, s.recompute_flops) == (p, r)
 
 
-@given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)), st.data())
+@given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
+def test_pareto_front_with_stored_segments_equals_enumeration(c):
+    plans = every_plan_with_stored(c)
+    got = pareto_front(c)
+    assert [(p, r) for p, r, _, _ in got] == front_of(plans)
+    for p, r, plan, stored in got:
+        s = simulate(c, plan, stored)
+        assert (s.peak_bytes, s.recompute_flops) == (p, r)
+    # stored segments never make the lowest peak worse, and the checkpoint-only front is dominated
+    only_ckpt = pareto_front(c, allow_stored=False)
+    assert got[0][0] <= only_ckpt[0][0]
+
+
+@given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
+def test_merging_adjacent_unwrapped_segments_keeps_peak_and_recompute(c):
+    from ckptopt.solvers.recompute import merge_unwrapped
+
+    for peak, rec, plan, stored in every_plan_with_stored(c)[:200]:
+        p2, s2 = merge_unwrapped(plan, stored)
+        s = simulate(c, p2, s2)
+        assert (s.peak_bytes, s.recompute_flops) == (peak, rec), (plan, stored, p2, s2)
+
+
+@given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)), st.data())
 def test_budget_solver_against_enumeration(c, data):
-    plans = every_plan(c)
-    lo = min(p for p, _, _ in plans)
-    hi = max(p for p, _, _ in plans)
+    plans = every_plan_with_stored(c)
+    lo = min(p for p, *_ in plans)
+    hi = max(p for p, *_ in plans)
     budget = data.draw(st.integers(max(1, lo - 3), hi + 3))
-    fitting = [rec for p, rec, _ in plans if p <= budget]
+    fitting = [rec for p, rec, *_ in plans if p <= budget]
     if not fitting:
         with pytest.raises(InfeasibleBudget) as e:
             solve(c, "budget", budget=budget)
         assert e.value.min_peak_bytes == lo and e.value.budget_bytes == budget
         return
     p = solve(c, "budget", budget=budget)
-    r = simulate(c, p.checkpoints)
+    r = simulate(c, p.checkpoints, p.stored)
     assert r.peak_bytes == p.peak_bytes <= budget
     assert r.recompute_flops == min(fitting)
 
@@ -100,16 +147,19 @@ def test_dp_and_dp2_agree_on_larger_models(seed, n, additive):
 @settings(max_examples=40)
 def test_budget_curve_is_monotone_and_consistent(seed, n):
     c = random_full(np.random.default_rng(seed), n)
-    front = pareto_front(c)
+    front = pareto_front(c, allow_stored=False)
     assert front[0][0] == solve(c, "dp2").peak_bytes
     # the last point recomputes nothing and is no worse than no checkpointing
     assert front[-1][1] == 0 and front[-1][0] <= simulate(c, ()).peak_bytes
-    peaks = [p for p, _, _ in front]
-    recs = [r for _, r, _ in front]
+    peaks = [p for p, *_ in front]
+    recs = [r for _, r, *_ in front]
     assert peaks == sorted(set(peaks)) and recs == sorted(set(recs), reverse=True)
+    wide = pareto_front(c)
+    assert wide[0][0] <= front[0][0] and wide[-1][0] <= front[-1][0]
     # the budget solver at each point's peak recomputes exactly that point's amount
-    for p, r, _ in front[:: max(1, len(front) // 5)]:
-        assert simulate(c, solve(c, "budget", budget=p).checkpoints).recompute_flops == r
+    for p, r, *_ in wide[:: max(1, len(wide) // 5)]:
+        b = solve(c, "budget", budget=p)
+        assert simulate(c, b.checkpoints, b.stored).recompute_flops == r
 
 
 def test_budget_needs_a_budget():

@@ -60,7 +60,7 @@ def segment_peak(l, r, last, full, K, live_in):
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
     are live while its first layer runs forward.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = K
     Pl = P[l]
     best = NEG
     phase = -1
@@ -108,27 +108,45 @@ def segment_peak(l, r, last, full, K, live_in):
 
 
 @njit(cache=True)
-def simulate_plan(starts, n, full, K):
+def simulate_plan(starts, stored, n, full, K):
     """Peak of the plan whose segments start at ``starts`` (sorted, starts[0] == 0).
 
+    ``stored[k] != 0``: segment ``k`` (not the last) is left unwrapped: it runs
+    like the last segment (keeps what its layers save, no recomputation) and
+    holds those tensors, ``P[r] - P[l] + keep[r]``, while every later segment
+    runs; when it keeps its output, the next segment's input is already held.
     Returns (peak without static, phase, layer, segment). O(n).
     """
     ck = K[2]
+    P, keep, sout = K[0], K[13], K[14]
     held = 0
     best = NEG
     phase = -1
     layer = -1
     seg = -1
     m = starts.shape[0]
+    prev_keeps = False
     for k in range(m):
         l = starts[k]
         r = starts[k + 1] - 1 if k + 1 < m else n - 1
-        c = held_checkpoint(l, r, k == m - 1, full, K)
+        last = k == m - 1
+        st = last or stored[k] != 0
+        if prev_keeps:
+            c = 0
+            live_in = 0
+        else:
+            c = held_checkpoint(l, r, st, full, K)
+            live_in = ck[l] - c if k > 0 else 0
         held += c
-        v, ph, ly = segment_peak(l, r, k == m - 1, full, K, ck[l] - c if k > 0 else 0)
+        v, ph, ly = segment_peak(l, r, st, full, K, live_in)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
+        if st and not last:
+            held += P[r] - P[l] + keep[r]
+            prev_keeps = sout[r] != 0
+        else:
+            prev_keeps = False
     return best, phase, layer, seg
 
 
@@ -175,20 +193,24 @@ def dp_cubic(n, full, K):
 
 
 @njit(cache=True)
-def segment_row(l, n, full, K, Cpre, D, hold, rec):
-    """Fill ``D[r]``, ``hold[r]`` and ``rec[r]`` for every segment ``[l, r]``, r = l..n-1. O(n - l).
+def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
+    """Every segment ``[l, r]``, r = l..n-1, in O(n - l): each entry costs O(1)
+    after the previous one (running maxima; the recomputation term is ``G[r] +
+    a[r]`` plus a running maximum taken up to the last layer the recomputation
+    runs, which only moves forward with ``r``).
 
-    ``D[r]``: the segment's peak relative to its checkpoints (``r = n-1`` is the
-    unwrapped last segment), with the live-input term of a segment that holds
-    no checkpoint; ``hold[r]``: the checkpoint it holds (DESIGN.md section 4);
-    ``rec[r]``: the compute it adds by being re-run in backward (0 for the last
-    segment), from the prefix sums ``Cpre`` of the per-layer compute. Each
-    entry costs O(1) after the previous one: the backward and forward terms are
-    running maxima, and the recomputation term is ``G[r] + a[r]`` plus a running
-    maximum taken up to the last layer the recomputation runs, which only moves
-    forward with ``r``.
+    Fills, relative to the segment's checkpoints and without the live-input
+    term (the caller adds ``ck[l] + f[l]`` when nothing holds the input):
+
+    * ``Dc[r]``: peak of the segment checkpointed (r < n-1);
+    * ``Ds[r]``: peak of the segment run unwrapped (the last segment, or a
+      stored one): its forward keeps what it saves, no recomputation;
+    * ``hold[r]``: the checkpoint it holds when checkpointed (DESIGN.md
+      section 4; the unwrapped hold is ``ck[l]`` if ``sin[l]``, for any r);
+    * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
+      sums ``Cpre`` of the per-layer compute.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = K
     Pl = P[l]
     bwd = NEG
     fwdw = f[l]  # wrapped forward, running max
@@ -225,53 +247,65 @@ def segment_row(l, n, full, K, Cpre, D, hold, rec):
                     e_pm = pm_prev
                     has_e = True
                     e = r - 1
-            if r == n - 1:
-                d = bwd if bwd > pm else pm
-            else:
-                d = bwd if bwd > fwdw else fwdw
-                if has_e:
-                    v = G[r] + a[r] + e_pm
-                    if v > d:
-                        d = v
+            Ds[r] = bwd if bwd > pm else pm
+            d = bwd if bwd > fwdw else fwdw
+            if has_e:
+                v = G[r] + a[r] + e_pm
+                if v > d:
+                    d = v
+            Dc[r] = d
         else:
-            d = bwd
+            Ds[r] = bwd
+            Dc[r] = bwd
             e = r
-        # the checkpoint this segment holds (DESIGN.md section 4)
         if l == 0:
-            c = 0
+            hold[r] = 0
         elif not full:
-            c = ck[l]
-        elif r == n - 1:
-            c = ck[l] if sin[l] != 0 else 0
+            hold[r] = ck[l]
         else:
-            c = ck[l] if seg_saves else 0
-        if l > 0 and c == 0:
-            v = ck[l] + f[l]  # the input is live while the first layer runs
-            if v > d:
-                d = v
-        D[r] = d
-        hold[r] = c
-        rec[r] = 0 if r == n - 1 or e < l else Cpre[e + 1] - Cpre[l]
+            hold[r] = ck[l] if seg_saves else 0
+        rec[r] = 0 if e < l else Cpre[e + 1] - Cpre[l]
+
+
+@njit(cache=True)
+def _unwrapped_hold(l, full, K):
+    ck, sin = K[2], K[10]
+    if l == 0:
+        return 0
+    if not full:
+        return ck[l]
+    return ck[l] if sin[l] != 0 else 0
 
 
 @njit(cache=True)
 def dp_quadratic(n, full, K):
     """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
+    ck, f = K[2], K[5]
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
-    D = np.empty(n, dtype=np.int64)
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        segment_row(l, n, full, K, Cpre, D, hold, rec)
+        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
         bestv = BIG
         bestr = -1
         for r in range(l, n):
+            if r == n - 1:
+                c = _unwrapped_hold(l, full, K)
+                d = Ds[r]
+            else:
+                c = hold[r]
+                d = Dc[r]
+            if l > 0 and c == 0:
+                v = ck[l] + f[l]  # the input is live while the first layer runs
+                if v > d:
+                    d = v
             rest = V[r + 1]
-            d = D[r]
-            val = hold[r] + (d if d > rest else rest)
+            val = c + (d if d > rest else rest)
             if val <= bestv:
                 bestv = val
                 bestr = r
@@ -288,153 +322,216 @@ def _grow(arr, size):
 
 
 @njit(cache=True)
-def min_held_prefix(n, full, K, Cpre, cap):
-    """``Hmin[l]``: the least checkpoint bytes held before layer ``l`` over the
-    plans whose segments before ``l`` all stay within ``cap`` (BIG when none).
+def _with_live_in(l, c, flag, d, K):
+    """A segment that holds nothing of its input still has it live while its first layer runs."""
+    ck, f = K[2], K[5]
+    if l > 0 and c == 0 and flag == 0:
+        v = ck[l] + f[l]
+        if v > d:
+            return v
+    return d
 
-    A lower bound on what any plan within ``cap`` holds at ``l``: a smaller
-    held amount admits every continuation a larger one admits, so the minimum
-    over predecessors is exact for reachability. O(n^2).
+
+@njit(cache=True)
+def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
+    """``Hmin[2*l + flag]``: the least bytes held before layer ``l`` over the
+    plans whose segments before ``l`` all stay within ``cap`` (BIG when none);
+    ``flag`` = 1 when the segment before ``l`` is stored and keeps ``x_{l-1}``.
+
+    A lower bound on what any plan within ``cap`` holds there: a smaller held
+    amount admits every continuation a larger one admits, so the minimum over
+    predecessors is exact for reachability. O(n^2).
     """
-    Hmin = np.full(n + 1, BIG, dtype=np.int64)
+    P, keep, sout = K[0], K[13], K[14]
+    Hmin = np.full(2 * n + 2, BIG, dtype=np.int64)
     Hmin[0] = 0
-    D = np.empty(n, dtype=np.int64)
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     for l in range(n - 1):
-        if Hmin[l] >= BIG:
+        if Hmin[2 * l] >= BIG and Hmin[2 * l + 1] >= BIG:
             continue
-        segment_row(l, n, full, K, Cpre, D, hold, rec)
-        for r in range(l, n - 1):
-            h = Hmin[l] + hold[r]
-            if h + D[r] <= cap and h < Hmin[r + 1]:
-                Hmin[r + 1] = h
+        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+        hu = _unwrapped_hold(l, full, K)
+        for flag in range(2):
+            H = Hmin[2 * l + flag]
+            if H >= BIG:
+                continue
+            for r in range(l, n - 1):
+                c = 0 if flag else hold[r]
+                if H + c + _with_live_in(l, c, flag, Dc[r], K) <= cap and H + c < Hmin[2 * (r + 1)]:
+                    Hmin[2 * (r + 1)] = H + c
+                if allow_stored:
+                    c = 0 if flag else hu
+                    if H + c + _with_live_in(l, c, flag, Ds[r], K) <= cap:
+                        h2 = H + c + P[r] - P[l] + keep[r]
+                        s2 = 2 * (r + 1) + (1 if sout[r] != 0 else 0)
+                        if h2 < Hmin[s2]:
+                            Hmin[s2] = h2
     return Hmin
 
 
 @njit(cache=True)
-def pareto_plans(n, full, K, Cpre, cap):
+def _push(cp, cr, cc, cn, ck_, m, peak, rc, r, nxt, kind):
+    if m + 1 > cp.shape[0]:
+        cp = _grow(cp, m + 1)
+        cr = _grow(cr, m + 1)
+        cc = _grow(cc, m + 1)
+        cn = _grow(cn, m + 1)
+        ck_ = _grow(ck_, m + 1)
+    cp[m] = peak
+    cr[m] = rc
+    cc[m] = r
+    cn[m] = nxt
+    ck_[m] = kind
+    return cp, cr, cc, cn, ck_, m + 1
+
+
+@njit(cache=True)
+def pareto_plans(n, full, K, Cpre, cap, allow_stored):
     """Every plan that is Pareto-optimal in (peak, recomputation) with peak <= cap.
 
-    ``F(l)``, the Pareto front of the suffix plans from layer ``l`` (a segment
-    starting at ``l``), as ``(relative peak, recompute)`` pairs sorted by peak
-    ascending and recomputation strictly descending::
+    ``F(l, flag)``: the Pareto front of the suffix plans from layer ``l`` (a
+    segment starting at ``l``; ``flag`` = 1 when the previous segment is stored
+    and keeps ``l``'s input), as ``(relative peak, recompute)`` pairs sorted by
+    peak ascending and recomputation strictly descending. With ``c`` the
+    segment's hold (0 when ``flag``), ``D`` its peak and ``S`` what a stored
+    segment keeps::
 
-        F(l) = front { (hold(l,r) + max(D(l,r), p'), rec(l,r) + R') : r >= l, (p', R') in F(r+1) }
+        checkpointed [l, r]: (c + max(Dc, p'),     rec(l, r) + R')  for (p', R') in F(r+1, 0)
+        stored [l, r]:       (c + max(Ds, S + p'), R')              for (p', R') in F(r+1, sout[r])
+        last [l, n-1]:       (c + Ds, 0)
 
-    with the last segment ``r = n-1`` contributing ``(hold + D, 0)``. A suffix
-    plan is combined only through ``max(D, p')`` and ``+``, both monotone, so a
+    A suffix enters only through ``max`` and ``+``, both monotone, so a
     dominated suffix never helps: the recurrence is exact. For a fixed ``r``
-    the suffix points with ``p' <= D`` give the same peak, so only the last of
-    them (least recomputation) is a candidate. Points whose peak, added to the
-    least checkpoint bytes any plan within ``cap`` holds before ``l``
+    the suffix points below ``D`` give the same peak, so only the last of them
+    (least recomputation) is a candidate. Points whose peak, added to the
+    least bytes any plan within ``cap`` holds before ``l``
     (:func:`min_held_prefix`), exceed ``cap`` are dropped.
 
-    Returns ``(peaks, recomputes, plans_flat, plan_offsets)`` for the front at
-    layer 0 (peaks relative to the static bytes), plan ``k`` being
-    ``plans_flat[plan_offsets[k]:plan_offsets[k+1]]``. Time O(n^2 * F), F the
-    front size.
+    Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
+    stored_offsets)`` for the front at layer 0 (peaks relative to the static
+    bytes): plan ``k``'s segment starts after 0 and the starts of its stored
+    segments. Time O(n^2 F), F the front size.
     """
-    Hmin = min_held_prefix(n, full, K, Cpre, cap)
-    D = np.empty(n, dtype=np.int64)
+    P, keep, sout = K[0], K[13], K[14]
+    Hmin = min_held_prefix(n, full, K, Cpre, cap, allow_stored)
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     size = 1024
-    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, index of the next point
+    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, next point, kind
     pr = np.empty(size, dtype=np.int64)
     pc = np.empty(size, dtype=np.int64)
     pn = np.empty(size, dtype=np.int64)
+    pk = np.empty(size, dtype=np.int64)
     used = 0
-    first = np.zeros(n + 1, dtype=np.int64)
-    count = np.zeros(n + 1, dtype=np.int64)
-    cp = np.empty(64, dtype=np.int64)  # candidates of one l
+    first = np.zeros(2 * n + 2, dtype=np.int64)
+    count = np.zeros(2 * n + 2, dtype=np.int64)
+    cp = np.empty(64, dtype=np.int64)  # candidates of one state
     cr = np.empty(64, dtype=np.int64)
     cc = np.empty(64, dtype=np.int64)
     cn = np.empty(64, dtype=np.int64)
+    ck_ = np.empty(64, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        first[l] = used
-        if Hmin[l] >= BIG:
-            continue
-        limit = cap - Hmin[l]
-        segment_row(l, n, full, K, Cpre, D, hold, rec)
-        m = 0
-        for r in range(l, n):
-            c = hold[r]
-            d = D[r]
-            if c + d > limit:
+        row_done = False
+        hu = _unwrapped_hold(l, full, K)
+        for flag in range(2):
+            st = 2 * l + flag
+            first[st] = used
+            if Hmin[st] >= BIG:
                 continue
-            if r == n - 1:
-                if m + 1 > cp.shape[0]:
-                    cp = _grow(cp, m + 1)
-                    cr = _grow(cr, m + 1)
-                    cc = _grow(cc, m + 1)
-                    cn = _grow(cn, m + 1)
-                cp[m] = c + d
-                cr[m] = 0
-                cc[m] = r
-                cn[m] = -1
-                m += 1
+            if not row_done:
+                segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+                row_done = True
+            limit = cap - Hmin[st]
+            m = 0
+            for r in range(l, n):
+                if r == n - 1:
+                    c = 0 if flag else hu
+                    d = _with_live_in(l, c, flag, Ds[r], K)
+                    if c + d <= limit:
+                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + d, 0, r, -1, 2)
+                    continue
+                for kind in range(2):
+                    if kind == 1 and not allow_stored:
+                        break
+                    if kind == 0:
+                        c = 0 if flag else hold[r]
+                        d = _with_live_in(l, c, flag, Dc[r], K)
+                        extra = 0
+                        rc = rec[r]
+                        nxt = 2 * (r + 1)
+                    else:
+                        c = 0 if flag else hu
+                        d = _with_live_in(l, c, flag, Ds[r], K)
+                        extra = P[r] - P[l] + keep[r]
+                        rc = 0
+                        nxt = 2 * (r + 1) + (1 if sout[r] != 0 else 0)
+                    if c + d > limit:
+                        continue
+                    s0 = first[nxt]
+                    kk = count[nxt]
+                    j = 0
+                    while j < kk and extra + pp[s0 + j] <= d:
+                        j += 1
+                    if j > 0:
+                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + d, rc + pr[s0 + j - 1], r,
+                                                       s0 + j - 1, kind)
+                    while j < kk and c + extra + pp[s0 + j] <= limit:
+                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + extra + pp[s0 + j],
+                                                       rc + pr[s0 + j], r, s0 + j, kind)
+                        j += 1
+            if m == 0:
                 continue
-            s0 = first[r + 1]
-            k = count[r + 1]
-            if m + k + 1 > cp.shape[0]:
-                cp = _grow(cp, m + k + 1)
-                cr = _grow(cr, m + k + 1)
-                cc = _grow(cc, m + k + 1)
-                cn = _grow(cn, m + k + 1)
-            j = 0
-            while j < k and pp[s0 + j] <= d:
-                j += 1
-            if j > 0:
-                cp[m] = c + d
-                cr[m] = rec[r] + pr[s0 + j - 1]
-                cc[m] = r
-                cn[m] = s0 + j - 1
-                m += 1
-            while j < k and c + pp[s0 + j] <= limit:
-                cp[m] = c + pp[s0 + j]
-                cr[m] = rec[r] + pr[s0 + j]
-                cc[m] = r
-                cn[m] = s0 + j
-                m += 1
-                j += 1
-        if m == 0:
-            continue
-        o1 = np.argsort(cr[:m], kind="mergesort")
-        o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
-        if used + m > pp.shape[0]:
-            pp = _grow(pp, used + m)
-            pr = _grow(pr, used + m)
-            pc = _grow(pc, used + m)
-            pn = _grow(pn, used + m)
-        best_r = BIG
-        for t in range(m):
-            i = o2[t]
-            if cr[i] < best_r:
-                best_r = cr[i]
-                pp[used] = cp[i]
-                pr[used] = cr[i]
-                pc[used] = cc[i]
-                pn[used] = cn[i]
-                used += 1
-        count[l] = used - first[l]
+            o1 = np.argsort(cr[:m], kind="mergesort")
+            o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
+            if used + m > pp.shape[0]:
+                pp = _grow(pp, used + m)
+                pr = _grow(pr, used + m)
+                pc = _grow(pc, used + m)
+                pn = _grow(pn, used + m)
+                pk = _grow(pk, used + m)
+            best_r = BIG
+            for t in range(m):
+                i = o2[t]
+                if cr[i] < best_r:
+                    best_r = cr[i]
+                    pp[used] = cp[i]
+                    pr[used] = cr[i]
+                    pc[used] = cc[i]
+                    pn[used] = cn[i]
+                    pk[used] = ck_[i]
+                    used += 1
+            count[st] = used - first[st]
     k0 = count[0]
     peaks = pp[first[0]: first[0] + k0].copy()
     recs = pr[first[0]: first[0] + k0].copy()
     offsets = np.zeros(k0 + 1, dtype=np.int64)
-    flat = np.empty(k0 * n, dtype=np.int64) if k0 > 0 else np.empty(0, dtype=np.int64)
+    soffsets = np.zeros(k0 + 1, dtype=np.int64)
+    flat = np.empty(max(1, k0 * n), dtype=np.int64)
+    sflat = np.empty(max(1, k0 * n), dtype=np.int64)
     tot = 0
+    stot = 0
     for t in range(k0):
         idx = first[0] + t
+        start = 0
         while True:
             r = pc[idx]
+            if pk[idx] == 1:
+                sflat[stot] = start
+                stot += 1
             if r == n - 1 or pn[idx] < 0:
                 break
             flat[tot] = r + 1
             tot += 1
+            start = r + 1
             idx = pn[idx]
         offsets[t + 1] = tot
-    return peaks, recs, flat[:tot].copy(), offsets
+        soffsets[t + 1] = stot
+    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets
 
 
 @njit(cache=True)
@@ -500,6 +597,7 @@ def linear_additive(n, P, q, w):
 def brute_force(n, full, K):
     """Every one of the 2^(n-1) plans; returns (optimum without static, checkpoints)."""
     starts = np.empty(n, dtype=np.int64)
+    zeros = np.zeros(n, dtype=np.int64)
     best = BIG
     best_mask = 0
     for mask in range(1 << (n - 1)):
@@ -509,7 +607,7 @@ def brute_force(n, full, K):
             if (mask >> j) & 1:
                 starts[m] = j + 1
                 m += 1
-        v = simulate_plan(starts[:m], n, full, K)[0]
+        v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
         if v < best:
             best = v
             best_mask = mask
@@ -555,27 +653,32 @@ def warmup() -> None:
     n = 3
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one)
+    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one)
+    cpre = np.arange(n + 1, dtype=np.int64)
     for full in (True, False):
         segment_peak(0, n - 1, True, full, K, 0)
-        simulate_plan(np.array([0, 2], dtype=np.int64), n, full, K)
+        simulate_plan(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K)
+        plan_recompute(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K, cpre)
         dp_cubic(n, full, K)
         dp_quadratic(n, full, K)
-        pareto_plans(n, full, K, np.arange(n + 1, dtype=np.int64), BIG)
+        for allow in (True, False):
+            pareto_plans(n, full, K, cpre, BIG, allow)
         brute_force(n, full, K)
-        brute_force_lex(n, full, K, np.arange(n + 1, dtype=np.int64))
+        brute_force_lex(n, full, K, cpre)
     linear_additive(n, K[0], K[1], K[2])
     linear_least_recompute(n, K[0], K[1], K[2], BIG)
     chen_greedy_pass(one, 1)
 
 
 @njit(cache=True)
-def plan_recompute(starts, n, full, K, Cpre):
+def plan_recompute(starts, stored, n, full, K, Cpre):
     """Compute a plan adds by re-running its checkpointed segments in backward. O(n)."""
     runs, saves = K[8], K[9]
     total = 0
     m = starts.shape[0]
     for k in range(m - 1):
+        if stored[k] != 0:
+            continue
         l = starts[k]
         r = starts[k + 1] - 1
         if not full:
@@ -597,6 +700,7 @@ def plan_recompute(starts, n, full, K, Cpre):
 def brute_force_lex(n, full, K, Cpre):
     """Every plan; the lowest peak, then the least recomputation, then the smallest mask."""
     starts = np.empty(n, dtype=np.int64)
+    zeros = np.zeros(n, dtype=np.int64)
     best = BIG
     best_rec = BIG
     best_mask = 0
@@ -607,10 +711,10 @@ def brute_force_lex(n, full, K, Cpre):
             if (mask >> j) & 1:
                 starts[m] = j + 1
                 m += 1
-        v = simulate_plan(starts[:m], n, full, K)[0]
+        v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
         if v > best:
             continue
-        rc = plan_recompute(starts[:m], n, full, K, Cpre)
+        rc = plan_recompute(starts[:m], zeros[:m], n, full, K, Cpre)
         if v < best or rc < best_rec:
             best = v
             best_rec = rc

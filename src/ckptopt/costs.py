@@ -395,11 +395,13 @@ class ChainCosts:
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
 
-        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs)``: ``P`` (length n+1) the
-        prefix sums of what each layer leaves saved, ``qb`` the per-layer
-        backward term, ``ck`` the bytes a segment starting at a layer holds as
-        its checkpoint (``ck[0] = 0``), and for the full form the forward and
-        recomputation terms. Everything else is zero for the additive form.
+        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout)``: ``P``
+        (length n+1) the prefix sums of what each layer leaves saved, ``qb`` the
+        per-layer backward term, ``ck`` the bytes a segment starting at a layer
+        holds as its checkpoint (``ck[0] = 0``), for the full form the forward
+        and recomputation terms, and ``keep[i]`` what layer ``i`` keeps of what
+        it produces (what a stored segment ending at ``i`` holds beyond
+        ``P[i] - P[l]``). Everything else is zero for the additive form.
         """
         n = self.n
         z = np.zeros(n, dtype=np.int64)
@@ -409,7 +411,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z)
+            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
@@ -427,7 +429,9 @@ class ChainCosts:
         saves = ((runs > 0) | (sin > 0)).astype(np.int64)
         fs = self._fields["fs"]
         qs = a_prev * (1 - k_prev) + fs
-        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy())
+        keep = m + a * sout
+        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),
+                keep.astype(np.int64), sout.astype(np.int64))
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.
@@ -441,7 +445,7 @@ class ChainCosts:
         they depend on where the segment ends. The simulator scores the
         resulting plan with the full model.
         """
-        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs = self.kernel_arrays
+        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = self.kernel_arrays
         h = np.diff(P)
         if self.kind == "additive":
             return ck, h, qb

@@ -208,9 +208,10 @@ class CheckpointedModule(nn.Module):
         # the segment holding the loss (the plan's last) is never wrapped
         last_plan_seg_includes_model = plan.segments[-1][0] <= n_model - 1
         bounds = [(first, min(last, n_model - 1)) for first, last in plan.segments if first <= n_model - 1]
+        stored = set(getattr(plan, "stored", ()))  # segments the plan leaves unwrapped
         for k, (first, last) in enumerate(bounds):
             groups.append([nodes[nm] for j in range(first, last + 1) for nm in layers[j].nodes])
-            wrapped.append(k < len(bounds) - 1 or not last_plan_seg_includes_model)
+            wrapped.append((k < len(bounds) - 1 or not last_plan_seg_includes_model) and first not in stored)
         return _segments_of_groups(tm.gm, groups, wrapped)
 
     def _install_bn_hooks(self, gm: fx.GraphModule) -> list:

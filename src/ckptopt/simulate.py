@@ -19,7 +19,7 @@ from . import _kernels
 from .costs import ChainCosts
 from .errors import InvalidPlan
 
-__all__ = ["simulate", "SimResult", "normalize_plan", "recomputed_layers"]
+__all__ = ["simulate", "SimResult", "normalize_plan", "normalize_stored", "recomputed_layers"]
 
 _PHASES = ("forward", "recompute", "backward")
 
@@ -93,7 +93,34 @@ def normalize_plan(costs: ChainCosts, checkpoints: Iterable[int]) -> tuple[int, 
     return tuple(out)
 
 
-def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
+def normalize_stored(checkpoints: tuple[int, ...], stored: Iterable[int]) -> tuple[int, ...]:
+    """Validate ``stored`` (start layers of segments left unwrapped) against a normalized plan."""
+    if isinstance(stored, (str, bytes)):
+        raise InvalidPlan(f"stored is a sequence of segment-start layers, got the string {stored!r}")
+    try:
+        items = sorted(set(int(x) for x in stored))
+    except (TypeError, ValueError) as exc:
+        raise InvalidPlan(f"stored is a sequence of segment-start layers (ints), got {stored!r}") from exc
+    starts = (0,) + tuple(checkpoints)
+    for x in items:
+        if x not in starts:
+            raise InvalidPlan(
+                f"stored names layer {x}, which starts no segment: stored segments are named by their "
+                f"first layer, one of {starts}"
+            )
+        if x == starts[-1]:
+            raise InvalidPlan(
+                f"stored names layer {x}, the start of the last segment, which is always left unwrapped"
+            )
+    return tuple(items)
+
+
+def _stored_flags(starts: tuple[int, ...], stored: tuple[int, ...]) -> np.ndarray:
+    keep = set(stored)
+    return np.array([1 if s in keep else 0 for s in starts], dtype=np.int64)
+
+
+def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int] = ()) -> SimResult:
     """Exact peak training memory of a plan under the chain model.
 
     Parameters
@@ -102,6 +129,11 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
         The cost model (full or additive form).
     checkpoints : sequence of int
         Segment-start layers, strictly increasing, each in ``1..n-1``.
+    stored : sequence of int, optional
+        Start layers of segments (other than the last) left unwrapped: they
+        keep what their layers save, as the last segment does, and re-run
+        nothing; those tensors stay held while every later segment runs.
+        Full form only.
 
     Returns
     -------
@@ -122,16 +154,21 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int]) -> SimResult:
     if not isinstance(costs, ChainCosts):
         raise TypeError(f"simulate() needs a ChainCosts, got {type(costs).__name__}")
     plan = normalize_plan(costs, checkpoints)
+    stored = normalize_stored(plan, stored)
+    if stored and costs.is_additive:
+        raise InvalidPlan("stored (unwrapped) segments need a full-form cost model; the additive form "
+                          "does not say what a layer keeps of what it produces")
+    keep = _stored_flags((0,) + plan, stored)
     starts = np.array((0,) + plan, dtype=np.int64)
     full = not costs.is_additive
     K = costs.kernel_arrays
-    peak, phase, layer, seg = _kernels.simulate_plan(starts, costs.n, full, K)
+    peak, phase, layer, seg = _kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = np.concatenate([[0], np.cumsum(costs.c)]).astype(np.int64)
-    recompute = _kernels.plan_recompute(starts, costs.n, full, K, cpre)
+    recompute = _kernels.plan_recompute(starts, keep, costs.n, full, K, cpre)
     return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]))
 
 
-def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int]) -> list[int]:
+def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int] = ()) -> list[int]:
     """Layers whose forward runs again during backward under this plan.
 
     Every segment but the last is recomputed from its first layer up to the
@@ -140,15 +177,17 @@ def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int]) -> list[int
     3). For the additive form, where that is unknown, the whole segment.
     """
     plan = normalize_plan(costs, checkpoints)
+    kept = set(normalize_stored(plan, stored))
     starts = (0,) + plan
     ends = tuple(s - 1 for s in plan) + (costs.n - 1,)
+    wrapped = [(l, r) for l, r in list(zip(starts, ends))[:-1] if l not in kept]
     out: list[int] = []
     if costs.is_additive:
-        for l, r in list(zip(starts, ends))[:-1]:
+        for l, r in wrapped:
             out.extend(range(l, r + 1))
         return out
     sin, sout, m = costs.sin, costs.sout, costs.m
-    for l, r in list(zip(starts, ends))[:-1]:
+    for l, r in wrapped:
         e = l - 1
         for i in range(r, l - 1, -1):
             if sin[i] or sout[i] or m[i] > 0:

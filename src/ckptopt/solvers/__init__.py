@@ -41,6 +41,10 @@ class Plan:
         Wall time of the solver alone (compilation excluded, simulation excluded).
     n : int
         Number of layers of the cost model it was made for.
+    stored : tuple of int
+        Start layers of segments (other than the last) left unwrapped: they
+        keep what they save and re-run nothing. Only the ``budget`` solver
+        uses them; empty otherwise.
     """
 
     checkpoints: tuple[int, ...]
@@ -48,6 +52,14 @@ class Plan:
     solver: str
     solve_seconds: float
     n: int
+    stored: tuple[int, ...] = ()
+
+    @property
+    def wrapped(self) -> tuple[bool, ...]:
+        """Per segment: run under ``torch.utils.checkpoint`` (re-run in backward)."""
+        kept = set(self.stored)
+        last = len(self.checkpoints)
+        return tuple(k < last and s not in kept for k, s in enumerate((0,) + self.checkpoints))
 
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
@@ -234,15 +246,16 @@ def _least_recompute_within(costs: ChainCosts, limit: int) -> Plan:
     """The ``budget`` solver: least recomputation among plans peaking at most ``limit``."""
     _ensure_compiled()
     t0 = time.perf_counter()
-    checkpoints = least_recompute(costs, limit)
+    found = least_recompute(costs, limit)
     seconds = time.perf_counter() - t0
-    if checkpoints is None:
-        lowest = _run(costs, SOLVERS["dp2"], None, "dp2")
-        raise InfeasibleBudget(limit, lowest.peak_bytes)
-    peak = simulate(costs, checkpoints).peak_bytes
+    if found is None:
+        lowest = pareto_front(costs, None)[0][0] if costs.n <= 2000 else _run(costs, SOLVERS["dp2"], None, "dp2").peak_bytes
+        raise InfeasibleBudget(limit, lowest)
+    checkpoints, stored = found
+    peak = simulate(costs, checkpoints, stored).peak_bytes
     if peak > limit:
         raise RuntimeError(
             f"internal error: solver 'budget' chose a plan peaking at {peak} bytes over the budget of {limit}; "
             "please report this with the cost model (ChainCosts.to_json)"
         )
-    return Plan(checkpoints, peak, "budget", seconds, costs.n)
+    return Plan(checkpoints, peak, "budget", seconds, costs.n, stored)

@@ -65,7 +65,8 @@ def chen_greedy(costs: ChainCosts, ntrial: int = 6) -> tuple[int, ...]:
     def attempt(threshold: int) -> tuple[int, int]:
         starts, saved, biggest = _kernels.chen_greedy_pass(sizes, int(threshold))
         plan = tuple(int(x) for x in starts)
-        peak = _kernels.simulate_plan(np.array((0,) + plan, dtype=np.int64), n, full, K)[0]
+        starts = np.array((0,) + plan, dtype=np.int64)
+        peak = _kernels.simulate_plan(starts, np.zeros_like(starts), n, full, K)[0]
         tried.append((int(peak), plan))
         return int(saved), int(biggest)
 

@@ -42,10 +42,10 @@ def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
 
 def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> tuple[tuple[int, ...], int]:
     """Among the plans reaching the optimum ``value`` (static excluded), the least recomputation."""
-    best = least_recompute(costs, int(value) + costs.static)
+    best = least_recompute(costs, int(value) + costs.static, allow_stored=False)
     if best is None:  # cannot happen: the solver's own plan reaches the optimum
-        best = tuple(int(x) for x in plan)
-    return best, int(value) + costs.static
+        return tuple(int(x) for x in plan), int(value) + costs.static
+    return best[0], int(value) + costs.static
 
 
 def dp(costs: ChainCosts) -> tuple[tuple[int, ...], int]:

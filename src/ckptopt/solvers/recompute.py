@@ -28,14 +28,17 @@ def compute_prefix(costs: ChainCosts) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(costs.c)]).astype(np.int64)
 
 
-def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...]) -> int:
+def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...] = ()) -> int:
     """Recomputation of a (validated) plan, in the unit of ``costs.c``."""
     starts = np.array((0,) + tuple(checkpoints), dtype=np.int64)
-    return int(_kernels.plan_recompute(starts, costs.n, not costs.is_additive, costs.kernel_arrays,
+    flags = np.array([1 if s in set(stored) else 0 for s in starts], dtype=np.int64)
+    return int(_kernels.plan_recompute(starts, flags, costs.n, not costs.is_additive, costs.kernel_arrays,
                                        compute_prefix(costs)))
 
 
-def pareto_front(costs: ChainCosts, max_peak: int | None = None) -> list[tuple[int, int, tuple[int, ...]]]:
+def pareto_front(
+    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True
+) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
     """Every plan that is Pareto-optimal in (peak, recomputation).
 
     Parameters
@@ -43,13 +46,20 @@ def pareto_front(costs: ChainCosts, max_peak: int | None = None) -> list[tuple[i
     costs : ChainCosts
     max_peak : int, optional
         Keep only plans whose peak (static bytes included) is at most this.
+    allow_stored : bool
+        Let segments other than the last be left unwrapped ("stored": they
+        keep what they save and re-run nothing, as rotor's forward-all step).
+        With False, every segment but the last is checkpointed, the plans
+        of ``dp``, ``dp2`` and ``linear``. Ignored for the additive form,
+        which does not say what a layer keeps of what it produces.
 
     Returns
     -------
-    list of (peak_bytes, recompute, checkpoints)
+    list of (peak_bytes, recompute, checkpoints, stored)
         Sorted by peak ascending; recomputation strictly decreases along the
-        list. The first entry is the lowest-peak plan that recomputes least;
-        the last (with no cap) is no checkpointing.
+        list. ``stored`` lists the start layers of the unwrapped segments
+        (see :func:`ckptopt.simulate`). The first entry is the lowest-peak
+        plan that recomputes least; the last recomputes nothing.
 
     Notes
     -----
@@ -59,19 +69,48 @@ def pareto_front(costs: ChainCosts, max_peak: int | None = None) -> list[tuple[i
     cap = _kernels.BIG if max_peak is None else int(max_peak) - costs.static
     if cap < 0:
         return []
-    peaks, recs, flat, offsets = _kernels.pareto_plans(
-        costs.n, not costs.is_additive, costs.kernel_arrays, compute_prefix(costs), cap
+    peaks, recs, flat, offsets, sflat, soffsets = _kernels.pareto_plans(
+        costs.n, not costs.is_additive, costs.kernel_arrays, compute_prefix(costs), cap,
+        bool(allow_stored) and not costs.is_additive,
     )
-    return [
-        (int(p) + costs.static, int(r), tuple(int(x) for x in flat[offsets[k]:offsets[k + 1]]))
-        for k, (p, r) in enumerate(zip(peaks, recs))
-    ]
+    out = []
+    for k, (p, r) in enumerate(zip(peaks, recs)):
+        plan = tuple(int(x) for x in flat[offsets[k]:offsets[k + 1]])
+        stored = tuple(int(x) for x in sflat[soffsets[k]:soffsets[k + 1]])
+        out.append((int(p) + costs.static, int(r)) + merge_unwrapped(plan, stored))
+    return out
 
 
-def least_recompute(costs: ChainCosts, max_peak: int) -> tuple[int, ...] | None:
-    """The plan with the least recomputation whose peak is at most ``max_peak``; None if none."""
-    front = pareto_front(costs, max_peak)
-    return front[-1][2] if front else None
+def merge_unwrapped(checkpoints: tuple[int, ...], stored: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Drop the boundaries between consecutive unwrapped segments (stored or last).
+
+    Two adjacent unwrapped segments keep exactly what one segment spanning
+    both keeps (each layer's saved tensors, the boundary tensor once), so
+    the merged plan has the same peak and recomputation (the tests check it
+    with the simulator) and fewer segments.
+    """
+    starts = (0,) + tuple(checkpoints)
+    kept = set(stored)
+    unwrapped = [s in kept or k == len(starts) - 1 for k, s in enumerate(starts)]
+    new_starts = [starts[0]]
+    new_unwrapped = [unwrapped[0]]
+    for s, u in zip(starts[1:], unwrapped[1:]):
+        if u and new_unwrapped[-1]:
+            continue  # merge into the previous unwrapped segment
+        new_starts.append(s)
+        new_unwrapped.append(u)
+    last = len(new_starts) - 1
+    return (tuple(new_starts[1:]),
+            tuple(s for k, (s, u) in enumerate(zip(new_starts, new_unwrapped)) if u and k != last))
+
+
+def least_recompute(
+    costs: ChainCosts, max_peak: int, allow_stored: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(checkpoints, stored)`` of the plan with the least recomputation whose peak is at most
+    ``max_peak`` (the lowest such peak among ties); None if no plan fits."""
+    front = pareto_front(costs, max_peak, allow_stored)
+    return front[-1][2:] if front else None
 
 
 def linear_least_recompute(costs: ChainCosts, max_peak: int) -> tuple[int, ...] | None:
