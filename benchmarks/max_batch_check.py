@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
-from ckptopt import solve, trace, zoo
+from ckptopt import zoo
 from ckptopt.planning import estimate, max_batch, measure_training_step, with_batch
 from ckptopt.units import format_bytes, parse_bytes
 

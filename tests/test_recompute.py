@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from ckptopt import ChainCosts, InfeasibleBudget, simulate, solve
 from ckptopt.simulate import recomputed_layers

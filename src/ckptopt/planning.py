@@ -77,9 +77,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from .costs import ChainCosts
-from .errors import InfeasibleBudget
 from .simulate import SimResult, recomputed_layers, simulate
-from .solvers import SOLVERS, solve
+from .solvers import solve
+from .solvers.recompute import least_recompute
 
 __all__ = [
     "OPTIMIZERS",
@@ -851,20 +851,14 @@ class TrainingPlan:
 
 
 def least_recompute_plan(costs: ChainCosts, budget: int) -> tuple[tuple[int, ...], str] | None:
-    """The plan with the least recomputation whose forward+backward peak is at most ``budget``.
-
-    Uses the ``budget`` solver when the registry has it, else the optimal plan
-    (the lowest peak) when it fits. None when no plan fits.
-    """
+    """The plan with the least recomputation whose forward+backward peak is at most ``budget``
+    (every segment but the last checkpointed), None when no plan fits."""
     if solve(costs, "none").peak_bytes <= budget:
         return (), "none"
-    if "budget" in SOLVERS:
-        try:
-            return solve(costs, "budget", budget=budget).checkpoints, "budget"
-        except InfeasibleBudget:
-            return None
-    best = solve(costs, OPTIMAL_SOLVER)
-    return (best.checkpoints, OPTIMAL_SOLVER) if best.peak_bytes <= budget else None
+    # checkpoint-only plans: the plans here are carried as checkpoint tuples, so the budget
+    # solver's unwrapped middle segments (Plan.stored) are not used yet
+    found = least_recompute(costs, budget, allow_stored=False)
+    return (found[0], "budget") if found is not None else None
 
 
 def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -> AccumulationOption:
