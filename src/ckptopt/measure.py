@@ -743,6 +743,44 @@ class _InjectGrad(torch.autograd.Function):
         return g, None
 
 
+class _CastRecorder(TorchDispatchMode):
+    """Records the low-precision copies of ``params`` that autocast makes (and caches)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__()
+        self.params = params
+        self.casts: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and any(args[0] is p for p in self.params):
+            self.casts.append(out)
+        return out
+
+
+def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor) -> list[torch.Tensor]:
+    """The weight copies autocast caches when ``module`` runs (none outside autocast).
+
+    Under ``torch.autocast`` a cast of a parameter is cached until the
+    autocast context exits, so it is static memory of the step (the tracer
+    counts it once); a layer measured in isolation must not count it in its
+    saved set ``m`` or its forward transient ``f``. A tracker would otherwise
+    see the cached copy as new when an op first returns a view of it
+    (``Linear`` saves ``weight.t()``). The cache is cleared and the layer run
+    once without grad so that every cast is made, and seen, here.
+    """
+    if not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        return []
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        return []
+    torch.clear_autocast_cache()
+    recorder = _CastRecorder(params)
+    with recorder:
+        module(example_input.detach().clone())
+    return recorder.casts
+
+
 def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
@@ -859,6 +897,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
     with _no_lasting_state(module, (), dev):
         if not fake:  # stale fake storages are not in the new tracker: no need to collect them
             gc.collect()
+        casts = _autocast_weight_casts(module, example_input)
+        cast_bytes, cast_ptrs = _storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         holder = [example_input.detach().clone()]
         if input_requires_grad:
             anchor = torch.empty(0, device=dev, requires_grad=True)
@@ -886,7 +926,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         grads_exist = list(grads_exist)
         pending = _storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
         tracker = StorageTracker(fake=fake)
-        tracker.register(module, x)
+        tracker.register(module, x, *casts)  # cached weight casts are static, like the weights
         start = tracker.current_bytes
         try:
             with tracker:
@@ -928,7 +968,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
 
     sout = y_ptr is not None and y_ptr in saved
     sin = x_ptr in saved and x_ptr != y_ptr
-    other = set(saved) - param_ptrs - buffer_ptrs - {x_ptr, y_ptr}
+    other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - {x_ptr, y_ptr}
     return LayerMeasurement(
         a=int(a),
         p=int(param_bytes),

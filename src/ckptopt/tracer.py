@@ -568,6 +568,9 @@ def _autocast_cache_bytes(fake_gm: fx.GraphModule, fake_args: list, fake_mode) -
 
     if not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
         return 0
+    # the propagation run has filled the cache already: empty it so every cast is made, and
+    # counted, here (a cached cast would be seen only through a view of it, or not at all)
+    torch.clear_autocast_cache()
     tracker = StorageTracker(fake=True)
     with fake_mode, torch.no_grad(), tracker:
         out = fake_gm(*fake_args)
