@@ -11,7 +11,8 @@ is traced and solved with every exact solver (``dp``, ``dp2``, and
   two steps of the original, give bit-identical outputs, parameter (and
   input) gradients and buffers (BatchNorm statistics updated once);
 * the measured peak (``measure_peak(..., fake=True)``, exact storage counts
-  on fake tensors) is at most the predicted peak x 1.05, and, for the
+  on fake tensors) is at most the predicted peak x 1.05 (+ 8 bytes: the
+  scalar loss and its gradient, which matter on the smallest models), and, for the
   optimal plans, at most the measured peak without checkpointing.
 
 The exact solvers must also agree on the optimal value.
@@ -37,11 +38,12 @@ from ckptopt.tracer import trace
 
 from .common.fuzz import Node, Spec, build, specs
 
-FAST_EXAMPLES = 30
+FAST_EXAMPLES = 24
 LONG = os.environ.get("CKPTOPT_FUZZ", "") == "long"
 LONG_EXAMPLES = int(os.environ.get("CKPTOPT_FUZZ_N", "400"))
 STEPS = 2  # a second step catches a BatchNorm statistic updated twice
-TOLERANCE = 1.05  # measured peak <= predicted x 1.05 (the bound)
+TOLERANCE = 1.05  # measured peak <= predicted x 1.05 (the bound) ...
+LOSS_BYTES = 8  # ... + the scalar loss and its gradient, which the chain model leaves out (DESIGN.md)
 
 _ran = {"models": 0, "plans": 0}
 
@@ -120,7 +122,7 @@ def check_random_model(spec: Spec) -> None:
             measured = measure_peak(opt, (x,), fake=True)
         finally:
             opt.remove_hooks()
-        assert measured <= TOLERANCE * plan.peak_bytes, (cps, plan.solver, measured, plan.peak_bytes)
+        assert measured <= TOLERANCE * plan.peak_bytes + LOSS_BYTES, (cps, plan.solver, measured, plan.peak_bytes)
         if plan.solver != "every":
             assert measured <= baseline_measured, (cps, measured, baseline_measured)
         _ran["plans"] += 1
