@@ -28,7 +28,6 @@ from ckptopt.tracer import trace
 
 MODELS = {
     "mlp": dict(batch_size=8, in_features=32, width=64, depth=6),
-    "resnet18": dict(batch_size=2, input_size=16),
     "gpt": dict(batch_size=2, input_size=16, depth=2, width=32, heads=2, seq_len=16, vocab=64),
     "unet": dict(batch_size=2, input_size=32, base=8),
 }
