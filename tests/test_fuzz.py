@@ -10,8 +10,10 @@ is traced and solved with every exact solver (``dp``, ``dp2``, and
 * two training steps of the rewritten module, with the same RNG seeds as
   two steps of the original, give bit-identical outputs, parameter (and
   input) gradients and buffers (BatchNorm statistics updated once);
-* the measured peak (``measure_peak(..., fake=True)``, exact storage counts
-  on fake tensors) is at most the predicted peak x 1.05 (+ 8 bytes: the
+* the measured peak (``measure_peak``: the exact storage tracker on a real
+  step; the models are tiny, so this costs no more than a fake-tensor run,
+  which over-counted one model by 24 bytes, see the regression case below)
+  is at most the predicted peak x 1.05 (+ 8 bytes: the
   scalar loss and its gradient, which matter on the smallest models), and, for the
   optimal plans, at most the measured peak without checkpointing.
 
@@ -112,14 +114,14 @@ def check_random_model(spec: Spec) -> None:
     start = _snapshot(model)
     reference = _train(model, model, x)
     _restore(model, start)
-    baseline_measured = measure_peak(model, (x,), fake=True)
+    baseline_measured = measure_peak(model, (x,))
     for cps, plan in to_run.items():
         opt = apply_plan(model, tm, plan)
         try:
             got = _train(opt, model, x)
             _restore(model, start)
             _assert_same(reference, got, f"plan {cps} ({plan.solver})")
-            measured = measure_peak(opt, (x,), fake=True)
+            measured = measure_peak(opt, (x,))
         finally:
             opt.remove_hooks()
         assert measured <= TOLERANCE * plan.peak_bytes + LOSS_BYTES, (cps, plan.solver, measured, plan.peak_bytes)
@@ -205,3 +207,30 @@ def test_regression_last_segment_input_is_freed_after_its_last_use():
         # exact but for the scalar loss and its gradient (8 bytes), which the chain model leaves out
         assert 0 <= measured - opt.predicted_peak_bytes <= 8, (cut, measured, opt.predicted_peak_bytes)
     check_random_model(REGRESSION_LAST_SEGMENT_INPUT)
+
+
+# The long profile's second finding (after 396 models): on this model the fake-tensor
+# measurement (measure_peak(..., fake=True)) counts 24 bytes more than the real step, with
+# or without checkpointing; the real step is exact (to the bytes named below). The fuzzing now
+# measures real steps; this keeps the real figures checked.
+REGRESSION_FAKE_OVERCOUNT = Spec(
+    family="mlp", dtype="float32", batch=2, shape=(4,), classes=1,
+    nodes=(Node("dropout", (0,)), Node("bn", (1,)), Node("mul", (2, 0))))
+
+
+def test_regression_tiny_batchnorm_product_model_is_exact_on_a_real_step():
+    from ckptopt import Plan
+
+    model, x = build(REGRESSION_FAKE_OVERCOUNT)
+    tm = trace(model, (x,))
+    for cps in [(), (1,), (2,), (1, 2)]:
+        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
+        try:
+            # +8 bytes: the scalar loss and its gradient; +8 more while the BatchNorm is recomputed
+            # (the int64 copy of num_batches_tracked its hook keeps; tests/test_dag_exactness.py);
+            # measured here: +8, +16, +4, +16 for the four plans
+            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
+            assert abs(gap - 8) <= 8, (cps, gap)
+        finally:
+            opt.remove_hooks()
+    check_random_model(REGRESSION_FAKE_OVERCOUNT)
