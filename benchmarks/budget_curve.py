@@ -8,6 +8,13 @@ nothing. The ``budget`` solver's answer for any budget B is the point with the
 largest peak <= B, so this list *is* the curve of ``solve(costs, "budget",
 budget=B)``: it is checked at every point (same recomputation).
 
+Two curves per model: plans whose segments are all checkpointed but the last
+(``allow_stored=False``: the plans of dp/dp2/linear, as in the paper), and
+plans that may also leave middle segments unwrapped ("stored", rotor's
+forward-all step; what the ``budget`` solver uses). Reported: the
+recomputation each needs at the budget halfway between the lowest peak and no
+checkpointing.
+
 Recomputation is the forward compute re-run in backward (``ChainCosts.c``:
 FLOPs from ``torch.utils.flop_counter`` plus one per output element of other
 ops), reported as a share of a step taken as 3 x forward
@@ -34,7 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from _common import run_metadata  # noqa: E402
-from ckptopt import measure_peak, simulate, solve, trace, zoo  # noqa: E402
+from ckptopt import Plan, measure_peak, simulate, solve, trace, zoo  # noqa: E402
 from ckptopt.solvers import pareto_front  # noqa: E402
 
 MODELS = {
@@ -58,21 +65,36 @@ def run_model(name: str) -> dict:
     t0 = time.perf_counter()
     front = pareto_front(c)
     seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ckpt_front = pareto_front(c, allow_stored=False)
+    ckpt_seconds = time.perf_counter() - t0
     none = simulate(c, ())
     points = []
-    for peak, rec, plan in front:
-        s = simulate(c, plan)
+    for peak, rec, plan, stored in front:
+        s = simulate(c, plan, stored)
         assert (s.peak_bytes, s.recompute_flops) == (peak, rec)
         b = solve(c, "budget", budget=peak)
-        assert simulate(c, b.checkpoints).recompute_flops == rec, (name, peak)
+        assert simulate(c, b.checkpoints, b.stored).recompute_flops == rec, (name, peak)
         points.append(dict(peak_bytes=peak, recompute_flops=rec, recompute_share=s.recompute_share,
-                           checkpoints=list(plan)))
+                           checkpoints=list(plan), stored=list(stored)))
+    ckpt_points = [dict(peak_bytes=p, recompute_flops=r, recompute_share=simulate(c, plan).recompute_share,
+                        checkpoints=list(plan)) for p, r, plan, _ in ckpt_front]
     picks = sorted({0, len(front) // 2, len(front) - 1})
     for i in picks:
-        plan = tuple(points[i]["checkpoints"])
+        plan = Plan(tuple(points[i]["checkpoints"]), points[i]["peak_bytes"], "budget", 0.0, c.n,
+                    tuple(points[i]["stored"]))
         points[i]["measured_peak_bytes"] = int(measure_peak(model, inputs, checkpoints=plan, fake=True))
+    mid = (front[0][0] + none.peak_bytes) // 2
+
+    def share_at(pts, budget):
+        fit = [p["recompute_share"] for p in pts if p["peak_bytes"] <= budget]
+        return min(fit) if fit else None
+
     return dict(model=zname, size=kw, n=c.n, none_peak_bytes=none.peak_bytes, static_bytes=c.static,
                 forward_flops=none.forward_flops, front_seconds=seconds, points=points,
+                checkpoint_only_seconds=ckpt_seconds, checkpoint_only_points=ckpt_points,
+                mid_budget_bytes=mid, mid_share=share_at(points, mid),
+                mid_share_checkpoint_only=share_at(ckpt_points, mid),
                 dp2_peak_bytes=dp2.peak_bytes, dp2_recompute_flops=simulate(c, dp2.checkpoints).recompute_flops)
 
 
@@ -82,18 +104,22 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for name, r in results.items():
         xs = [p["peak_bytes"] / r["none_peak_bytes"] * 100 for p in r["points"]]
         ys = [p["recompute_share"] * 100 for p in r["points"]]
-        ax.step(xs, ys, where="post", label=f"{name} (n={r['n']}, {len(xs)} points)")
+        line = ax.step(xs, ys, where="post", label=f"{name} (n={r['n']})")[0]
+        cx = [p["peak_bytes"] / r["none_peak_bytes"] * 100 for p in r["checkpoint_only_points"]]
+        cy = [p["recompute_share"] * 100 for p in r["checkpoint_only_points"]]
+        ax.step(cx, cy, where="post", ls=":", lw=1, color=line.get_color())
         mx = [p["peak_bytes"] / r["none_peak_bytes"] * 100 for p in r["points"] if "measured_peak_bytes" in p]
         my = [p["recompute_share"] * 100 for p in r["points"] if "measured_peak_bytes" in p]
-        ax.plot(mx, my, "o", ms=4, color=ax.lines[-1].get_color())
+        ax.plot(mx, my, "o", ms=4, color=line.get_color())
     ax.set_xlabel("peak memory, % of no checkpointing (budget)")
     ax.set_ylabel("recomputation, % of a training step")
     ax.set_title("Least recomputation for each budget (ckptopt 'budget' solver)\n"
-                 "dots: plans measured (fake tensors, exact tracker)", fontsize=10)
+                 "solid: middle segments may stay unwrapped; dotted: every segment but the last "
+                 "checkpointed;\ndots: plans measured (fake tensors, exact tracker)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -119,16 +145,21 @@ def main(argv=None) -> int:
     with open(os.path.join(OUT, "budget_curve.json"), "w") as fh:
         json.dump(data, fh, indent=1)
     plot(results, os.path.join(OUT, "budget_curve.png"))
-    print("| model | n | Pareto points | front time | lowest peak (recompute share) | dp2 peak (share) | peak with no recompute | no checkpointing | measured - predicted |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | n | Pareto points (checkpoint-only) | front time | lowest peak (recompute share) "
+          "| dp2 peak (share) | no checkpointing | mid budget | share at mid budget: checkpoint-only / with stored "
+          "| measured - predicted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        p0, pl = r["points"][0], r["points"][-1]
+        p0 = r["points"][0]
         meas = [p["measured_peak_bytes"] - p["peak_bytes"] for p in r["points"] if "measured_peak_bytes" in p]
         dp2_share = r["dp2_recompute_flops"] / (3 * r["forward_flops"]) * 100
-        print(f"| {name} | {r['n']} | {len(r['points'])} | {r['front_seconds']*1e3:.1f} ms "
+        print(f"| {name} | {r['n']} | {len(r['points'])} ({len(r['checkpoint_only_points'])}) "
+              f"| {r['front_seconds']*1e3:.1f} ms "
               f"| {p0['peak_bytes']/2**20:.2f} MiB ({p0['recompute_share']*100:.1f}%) "
               f"| {r['dp2_peak_bytes']/2**20:.2f} MiB ({dp2_share:.1f}%) "
-              f"| {pl['peak_bytes']/2**20:.2f} MiB | {r['none_peak_bytes']/2**20:.2f} MiB | {', '.join(f'{x:+d} B' for x in meas)} |")
+              f"| {r['none_peak_bytes']/2**20:.2f} MiB | {r['mid_budget_bytes']/2**20:.2f} MiB "
+              f"| {r['mid_share_checkpoint_only']*100:.1f}% / {r['mid_share']*100:.1f}% "
+              f"| {', '.join(f'{x:+d} B' for x in meas)} |")
     return 0
 
 

@@ -373,23 +373,7 @@ def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
 
 
 @njit(cache=True)
-def _push(cp, cr, cc, cn, ck_, m, peak, rc, r, nxt, kind):
-    if m + 1 > cp.shape[0]:
-        cp = _grow(cp, m + 1)
-        cr = _grow(cr, m + 1)
-        cc = _grow(cc, m + 1)
-        cn = _grow(cn, m + 1)
-        ck_ = _grow(ck_, m + 1)
-    cp[m] = peak
-    cr[m] = rc
-    cc[m] = r
-    cn[m] = nxt
-    ck_[m] = kind
-    return cp, cr, cc, cn, ck_, m + 1
-
-
-@njit(cache=True)
-def pareto_plans(n, full, K, Cpre, cap, allow_stored):
+def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
     """Every plan that is Pareto-optimal in (peak, recomputation) with peak <= cap.
 
     ``F(l, flag)``: the Pareto front of the suffix plans from layer ``l`` (a
@@ -411,9 +395,11 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored):
     (:func:`min_held_prefix`), exceed ``cap`` are dropped.
 
     Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
-    stored_offsets)`` for the front at layer 0 (peaks relative to the static
-    bytes): plan ``k``'s segment starts after 0 and the starts of its stored
-    segments. Time O(n^2 F), F the front size.
+    stored_offsets, complete)`` for the front at layer 0 (peaks relative to
+    the static bytes): plan ``k``'s segment starts after 0 and the starts of
+    its stored segments. Time O(n^2 F), F the front size. With ``max_work >
+    0`` the program stops once it has generated that many candidate points
+    and returns ``complete = False`` with an empty front.
     """
     P, keep, sout = K[0], K[13], K[14]
     Hmin = min_held_prefix(n, full, K, Cpre, cap, allow_stored)
@@ -435,6 +421,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored):
     cc = np.empty(64, dtype=np.int64)
     cn = np.empty(64, dtype=np.int64)
     ck_ = np.empty(64, dtype=np.int64)
+    work = 0
     for l in range(n - 1, -1, -1):
         row_done = False
         hu = _unwrapped_hold(l, full, K)
@@ -446,14 +433,22 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored):
             if not row_done:
                 segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
                 row_done = True
+            work += n - l
             limit = cap - Hmin[st]
             m = 0
             for r in range(l, n):
+                if r == n - 1 and m + 1 > cp.shape[0]:
+                    cp, cr, cc, cn, ck_ = _grow(cp, m + 2), _grow(cr, m + 2), _grow(cc, m + 2), _grow(cn, m + 2), _grow(ck_, m + 2)
                 if r == n - 1:
                     c = 0 if flag else hu
                     d = _with_live_in(l, c, flag, Ds[r], K)
                     if c + d <= limit:
-                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + d, 0, r, -1, 2)
+                        cp[m] = c + d
+                        cr[m] = 0
+                        cc[m] = r
+                        cn[m] = -1
+                        ck_[m] = 2
+                        m += 1
                     continue
                 for kind in range(2):
                     if kind == 1 and not allow_stored:
@@ -474,18 +469,41 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored):
                         continue
                     s0 = first[nxt]
                     kk = count[nxt]
-                    j = 0
-                    while j < kk and extra + pp[s0 + j] <= d:
-                        j += 1
+                    # j: the first suffix point above d - extra (peaks ascend: binary search)
+                    lo = 0
+                    hi = kk
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if extra + pp[s0 + mid] <= d:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    j = lo
+                    work += 1
+                    need = m + kk - j + 2
+                    if need > cp.shape[0]:
+                        cp, cr, cc, cn, ck_ = _grow(cp, need), _grow(cr, need), _grow(cc, need), _grow(cn, need), _grow(ck_, need)
                     if j > 0:
-                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + d, rc + pr[s0 + j - 1], r,
-                                                       s0 + j - 1, kind)
+                        cp[m] = c + d
+                        cr[m] = rc + pr[s0 + j - 1]
+                        cc[m] = r
+                        cn[m] = s0 + j - 1
+                        ck_[m] = kind
+                        m += 1
                     while j < kk and c + extra + pp[s0 + j] <= limit:
-                        cp, cr, cc, cn, ck_, m = _push(cp, cr, cc, cn, ck_, m, c + extra + pp[s0 + j],
-                                                       rc + pr[s0 + j], r, s0 + j, kind)
+                        cp[m] = c + extra + pp[s0 + j]
+                        cr[m] = rc + pr[s0 + j]
+                        cc[m] = r
+                        cn[m] = s0 + j
+                        ck_[m] = kind
+                        m += 1
                         j += 1
+                    if max_work > 0 and work + m > max_work:
+                        e = np.empty(0, dtype=np.int64)
+                        return e, e, e, np.zeros(1, dtype=np.int64), e, np.zeros(1, dtype=np.int64), False
             if m == 0:
                 continue
+            work += m
             o1 = np.argsort(cr[:m], kind="mergesort")
             o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
             if used + m > pp.shape[0]:
@@ -531,7 +549,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored):
             idx = pn[idx]
         offsets[t + 1] = tot
         soffsets[t + 1] = stot
-    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets
+    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets, True
 
 
 @njit(cache=True)
@@ -662,7 +680,7 @@ def warmup() -> None:
         dp_cubic(n, full, K)
         dp_quadratic(n, full, K)
         for allow in (True, False):
-            pareto_plans(n, full, K, cpre, BIG, allow)
+            pareto_plans(n, full, K, cpre, BIG, allow, 0)
         brute_force(n, full, K)
         brute_force_lex(n, full, K, cpre)
     linear_additive(n, K[0], K[1], K[2])

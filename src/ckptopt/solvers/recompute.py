@@ -36,8 +36,17 @@ def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tupl
                                        compute_prefix(costs)))
 
 
+# Work limit of the tie-break pass of dp/dp2 (candidate points generated): about 0.1-0.4 s
+# on this 2-core machine; the zoo models need a few thousand.
+TIE_BREAK_MAX_WORK = 2_000_000
+
+
+class FrontTooLarge(Exception):
+    """The Pareto program passed its work limit (internal; callers fall back)."""
+
+
 def pareto_front(
-    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True
+    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0
 ) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
     """Every plan that is Pareto-optimal in (peak, recomputation).
 
@@ -46,6 +55,9 @@ def pareto_front(
     costs : ChainCosts
     max_peak : int, optional
         Keep only plans whose peak (static bytes included) is at most this.
+    max_work : int
+        Internal: stop (raising ``FrontTooLarge``) after generating this many
+        candidate points; 0 for no limit.
     allow_stored : bool
         Let segments other than the last be left unwrapped ("stored": they
         keep what they save and re-run nothing, as rotor's forward-all step).
@@ -69,10 +81,12 @@ def pareto_front(
     cap = _kernels.BIG if max_peak is None else int(max_peak) - costs.static
     if cap < 0:
         return []
-    peaks, recs, flat, offsets, sflat, soffsets = _kernels.pareto_plans(
+    peaks, recs, flat, offsets, sflat, soffsets, complete = _kernels.pareto_plans(
         costs.n, not costs.is_additive, costs.kernel_arrays, compute_prefix(costs), cap,
-        bool(allow_stored) and not costs.is_additive,
+        bool(allow_stored) and not costs.is_additive, int(max_work),
     )
+    if not complete:
+        raise FrontTooLarge(f"more than {max_work} candidate points")
     out = []
     for k, (p, r) in enumerate(zip(peaks, recs)):
         plan = tuple(int(x) for x in flat[offsets[k]:offsets[k + 1]])
@@ -105,11 +119,11 @@ def merge_unwrapped(checkpoints: tuple[int, ...], stored: tuple[int, ...]) -> tu
 
 
 def least_recompute(
-    costs: ChainCosts, max_peak: int, allow_stored: bool = True
+    costs: ChainCosts, max_peak: int, allow_stored: bool = True, max_work: int = 0
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``(checkpoints, stored)`` of the plan with the least recomputation whose peak is at most
     ``max_peak`` (the lowest such peak among ties); None if no plan fits."""
-    front = pareto_front(costs, max_peak, allow_stored)
+    front = pareto_front(costs, max_peak, allow_stored, max_work)
     return front[-1][2:] if front else None
 
 
