@@ -425,9 +425,12 @@ class ChainCosts:
         qf = a_prev * (1 - k_prev) + f
         fw = a_prev + f
         ck = a_prev.copy()
-        runs = ((sout > 0) | (m > 0)).astype(np.int64)
-        saves = ((runs > 0) | (sin > 0)).astype(np.int64)
         fs = self._fields["fs"]
+        # runs[i]: when layer i is the last one a recomputation needs, it runs (up to its last
+        # saved tensor, fs) -- it saves what it produces, or work precedes its input's pack
+        # (an op before the saving one, e.g. a dead dropout); else its input pack comes first
+        runs = ((sout > 0) | (m > 0) | (fs > 0)).astype(np.int64)
+        saves = ((sout > 0) | (m > 0) | (sin > 0)).astype(np.int64)
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
         return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),

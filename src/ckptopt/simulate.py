@@ -193,7 +193,7 @@ def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
             if sin[i] or sout[i] or m[i] > 0:
                 e = i
                 break
-        if e >= l and not (sout[e] or m[e] > 0):
+        if e >= l and not (sout[e] or m[e] > 0 or costs.fs[e] > 0):
             e -= 1
         out.extend(range(l, e + 1))
     return out

@@ -93,11 +93,12 @@ def _full(c, checkpoints):
             # recompute layer by layer. Non-reentrant checkpoint stops at the last *pack
             # event* of the segment: a layer packs its input before it computes and its
             # output/extra tensors after. If the last event is after a layer's compute, that
-            # layer runs up to it (fs); if it is an input pack, the layer before runs fully.
+            # layer runs up to it (fs); if it is an input pack, the layer before runs fully
+            # (unless the layer computes before packing its input: a dead op ahead of it).
             events = []
             for i in range(l, r + 1):
-                if sin[i]:
-                    events.append((i, 0))
+                if sin[i]:  # packed before the layer computes, unless work precedes it (fs > 0)
+                    events.append((i, 1 if fs[i] > 0 else 0))
                 if sout[i] or m[i] > 0:
                     events.append((i, 1))
             stop = max(events) if events else None
