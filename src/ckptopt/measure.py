@@ -781,6 +781,20 @@ def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor) -> li
     return recorder.casts
 
 
+class _Packed:
+    """What the measuring pack hook hands autograd: a weak-referenceable box, so that the
+    measurement can tell which saved tensors autograd still keeps after the forward."""
+
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+
+def _unpack(box: _Packed) -> torch.Tensor:
+    return box.t
+
+
 def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
@@ -908,20 +922,20 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         x_ptr = _storage_key(x.untyped_storage())
         input_bytes = x.untyped_storage().nbytes()
 
-        saved: dict[int, int] = {}
+        # Every pack event: (a weak reference to what autograd keeps, storage key or None,
+        # bytes, forward peak so far). A saved tensor counts only if autograd still keeps it
+        # when the forward ends: ops whose output is never used (a dead branch) save tensors
+        # that die with that output.
+        packs: list[tuple] = []
 
-        last_pack = [None]
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> _Packed:
             s = _real_storage(t, fake)
             # only storages this layer created, or registered below (parameters, buffers,
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
-            if s is not None and tracker.is_tracked(t):
-                saved[_storage_key(s)] = s.nbytes()
-            # forward peak up to the last saved tensor: where a recomputation of this layer,
-            # the last of its segment, stops (non-reentrant checkpoint stops right there)
-            last_pack[0] = tracker.peak_bytes
-            return t
+            key = _storage_key(s) if s is not None and tracker.is_tracked(t) else None
+            box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
+            packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
+            return box
 
         grads_exist = list(grads_exist)
         pending = _storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
@@ -931,9 +945,15 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         try:
             with tracker:
                 # forward
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
                     y = module(x)
                 forward_peak = tracker.peak_bytes
+                kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
+                saved = {key: nbytes for key, nbytes, _ in kept if key is not None}
+                # forward peak up to the last tensor kept: where a recomputation of this layer,
+                # the last of its segment, stops (non-reentrant checkpoint stops once every
+                # tensor still needed is rebuilt)
+                last_pack = kept[-1][2] if kept else None
                 if not isinstance(y, torch.Tensor):
                     raise TypeError(
                         f"measure_layer needs a layer with one tensor output, got {type(y).__name__}"
@@ -976,7 +996,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         sout=bool(sout),
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
-        fs=int(last_pack[0] - start) if last_pack[0] is not None else 0,
+        fs=int(last_pack - start) if last_pack is not None else 0,
         b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
