@@ -281,3 +281,32 @@ REGRESSION_DEAD_BRANCH = Spec(family='mlp',
 
 def test_regression_dead_branch():
     check_random_model(REGRESSION_DEAD_BRANCH)
+
+
+# Long fuzz profile after the dead-branch fix, 288th model (open): a dead branch of dropouts
+# inside a checkpointed segment. Recomputation re-runs it; plan (1,) (the optimum) measures
+# 3,864 B against 3,464 B predicted (11.5% over). Without checkpointing the model is exact.
+REGRESSION_DEAD_BRANCH_RECOMPUTED = Spec(family='conv',
+    dtype='float32',
+    batch=2,
+    shape=(1, 4, 4),
+    nodes=(Node(op='dropout', inputs=(0,), width=0, inplace=''),
+    Node(op='up', inputs=(1,), width=0, inplace=''),
+    Node(op='dropout', inputs=(2,), width=0, inplace=''),
+    Node(op='dropout', inputs=(3,), width=0, inplace=''),
+    Node(op='dropout', inputs=(4,), width=0, inplace=''),
+    Node(op='dropout', inputs=(5,), width=0, inplace=''),
+    Node(op='dropout', inputs=(0,), width=0, inplace=''),
+    Node(op='dropout', inputs=(7,), width=0, inplace=''),
+    Node(op='dropout', inputs=(8,), width=0, inplace=''),
+    Node(op='dropout', inputs=(6,), width=0, inplace=''),
+    Node(op='dropout', inputs=(10,), width=0, inplace=''),
+    Node(op='dropout', inputs=(11,), width=0, inplace='')),
+    classes=1,
+    input_requires_grad=True,
+    dropout_p=0.3)
+
+
+@pytest.mark.xfail(strict=True, reason="dead branch re-run by recomputation: 11.5% over the prediction (open)")
+def test_regression_dead_branch_recomputed():
+    check_random_model(REGRESSION_DEAD_BRANCH_RECOMPUTED)
