@@ -60,7 +60,9 @@ def test_every_solver_reports_the_simulated_peak_and_none_beats_the_optimum(c):
 @given(full_costs(max_n=10))
 def test_exact_kernels_report_the_value_of_their_plan(c):
     full, K = True, c.kernel_arrays
-    for kern in (_kernels.dp_cubic, _kernels.dp_quadratic, _kernels.brute_force):
+    cpre = np.concatenate([[0], np.cumsum(c.c)]).astype(np.int64)
+    brute = lambda n, full, K: _kernels.brute_force_lex(n, full, K, cpre)[::2]  # (value, plan)
+    for kern in (_kernels.dp_cubic, _kernels.dp_quadratic, brute):
         value, plan = kern(c.n, full, K)
         assert int(value) + c.static == simulate(c, tuple(int(x) for x in plan)).peak_bytes
 

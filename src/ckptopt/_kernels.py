@@ -612,33 +612,6 @@ def linear_additive(n, P, q, w):
 
 
 @njit(cache=True)
-def brute_force(n, full, K):
-    """Every one of the 2^(n-1) plans; returns (optimum without static, checkpoints)."""
-    starts = np.empty(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.int64)
-    best = BIG
-    best_mask = 0
-    for mask in range(1 << (n - 1)):
-        starts[0] = 0
-        m = 1
-        for j in range(n - 1):
-            if (mask >> j) & 1:
-                starts[m] = j + 1
-                m += 1
-        v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
-        if v < best:
-            best = v
-            best_mask = mask
-    out = np.empty(n, dtype=np.int64)
-    m = 0
-    for j in range(n - 1):
-        if (best_mask >> j) & 1:
-            out[m] = j + 1
-            m += 1
-    return best, out[:m]
-
-
-@njit(cache=True)
 def chen_greedy_pass(sizes, threshold):
     """Chen et al. (2016) Algorithm 3 for one budget ``threshold``.
 
@@ -681,7 +654,6 @@ def warmup() -> None:
         dp_quadratic(n, full, K)
         for allow in (True, False):
             pareto_plans(n, full, K, cpre, BIG, allow, 0)
-        brute_force(n, full, K)
         brute_force_lex(n, full, K, cpre)
     linear_additive(n, K[0], K[1], K[2])
     linear_least_recompute(n, K[0], K[1], K[2], BIG)
