@@ -246,6 +246,14 @@ class ChainCosts:
         """Forward compute cost per layer (FLOPs from the tracer; ones when not given)."""
         return self._c
 
+    @cached_property
+    def compute_prefix(self) -> np.ndarray:
+        """Prefix sums of :attr:`c` (length n+1, int64, read-only): compute of layers ``l..r`` is
+        ``compute_prefix[r+1] - compute_prefix[l]``."""
+        out = np.concatenate([[0], np.cumsum(self._c)]).astype(np.int64)
+        out.setflags(write=False)
+        return out
+
     def with_compute(self, c: Sequence[int]) -> "ChainCosts":
         """A copy of this cost model with per-layer compute costs ``c``."""
         data = self.to_dict()

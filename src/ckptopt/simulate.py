@@ -163,7 +163,7 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     full = not costs.is_additive
     K = costs.kernel_arrays
     peak, phase, layer, seg = _kernels.simulate_plan(starts, keep, costs.n, full, K)
-    cpre = np.concatenate([[0], np.cumsum(costs.c)]).astype(np.int64)
+    cpre = costs.compute_prefix
     recompute = _kernels.plan_recompute(starts, keep, costs.n, full, K, cpre)
     return SimResult(int(peak) + costs.static, _PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]))
 

@@ -24,8 +24,8 @@ __all__ = ["compute_prefix", "plan_recompute", "pareto_front", "least_recompute"
 
 
 def compute_prefix(costs: ChainCosts) -> np.ndarray:
-    """Prefix sums of the per-layer compute (length n+1)."""
-    return np.concatenate([[0], np.cumsum(costs.c)]).astype(np.int64)
+    """Prefix sums of the per-layer compute (length n+1): :attr:`ChainCosts.compute_prefix`."""
+    return costs.compute_prefix
 
 
 def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...] = ()) -> int:
