@@ -950,10 +950,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 forward_peak = tracker.peak_bytes
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
                 saved = {key: nbytes for key, nbytes, _ in kept if key is not None}
-                # forward peak up to the last tensor kept: where a recomputation of this layer,
-                # the last of its segment, stops (non-reentrant checkpoint stops once every
-                # tensor still needed is rebuilt)
-                last_pack = kept[-1][2] if kept else None
+                # forward peak up to the last pack, kept or not: where a recomputation of this
+                # layer, the last of its segment, stops. Non-reentrant checkpoint counts every
+                # tensor its forward packed, a dead branch's too, and stops once it has re-packed
+                # as many, so a dead branch after the last kept save is re-run as well.
+                last_pack = packs[-1][3] if packs else None
                 if not isinstance(y, torch.Tensor):
                     raise TypeError(
                         f"measure_layer needs a layer with one tensor output, got {type(y).__name__}"
