@@ -1,8 +1,14 @@
-"""On small traced DAGs, every plan over the candidate cuts is run for real (on fake tensors,
-which the storage tracker counts exactly as real ones) and its measured peak must equal the
-simulator's; so the solvers' optimum is the brute-force optimum of measured peaks."""
+"""On small traced DAGs, plans over the candidate cuts are run for real (on fake tensors,
+which the storage tracker counts exactly as real ones) and each measured peak must equal the
+simulator's; the solvers' plan must measure no higher than any plan tried.
+
+By default (CI) every plan with at most two cuts and a seeded sample of the others run
+(``SAMPLE`` per model); ``CKPTOPT_DAG_LONG=1`` runs every plan (up to 512 per model, about a
+half a minute more), so the solvers' optimum is then the brute-force optimum of measured peaks."""
 
 import itertools
+import os
+import random
 
 import pytest
 import torch
@@ -76,6 +82,8 @@ CASES = {
 # checkpointed segment after the attention half of a block is over-predicted by 120 bytes of
 # 38,408 (0.3%). Every other plan of these models is exact to the byte.
 TOLERANCE = {"gpt": 0.005}
+LONG = os.environ.get("CKPTOPT_DAG_LONG", "") not in ("", "0")
+SAMPLE = 40  # plans with three cuts or more, per model, in the default profile
 
 
 def fake_peaks(model, inputs, tm, plans):
@@ -107,6 +115,13 @@ def test_every_plan_measured_equals_simulated(name):
     tm = trace(model, inputs)
     assert 4 <= tm.n <= 10, tm.n  # small enough to try every plan (at most 512)
     plans = [c for k in range(tm.n) for c in itertools.combinations(range(1, tm.n), k)]
+    if not LONG:
+        few = [c for c in plans if len(c) <= 2]
+        rest = [c for c in plans if len(c) > 2]
+        plans = few + random.Random(name).sample(rest, min(SAMPLE, len(rest)))
+    for solver in ("dp", "dp2", "brute"):
+        plans.append(solve(tm.costs, solver).checkpoints)
+    plans = list(dict.fromkeys(plans))
     measured = fake_peaks(model, inputs, tm, plans)
     for cps, peak in measured.items():
         # 8 bytes: the scalar loss and its gradient, which the chain model leaves out
