@@ -69,7 +69,9 @@ def test_profile_user_factory(capsys):
 def test_optimize_measure_json(capsys):
     code, out, _ = run(capsys, "optimize", "tests.test_cli:deep_factory", "--batch", "1024", "--measure", "--json")
     data = json.loads(out)
-    assert code == 0 and data["solver"] == "dp2"
+    # "dp2+stored" when unwrapped middle segments lower the peak or the recomputation (they do here)
+    assert code == 0 and data["solver"] in ("dp2", "dp2+stored")
+    assert set(data["stored"]) <= {0, *data["checkpoints"]}
     assert data["predicted_peak_bytes"] < data["no_checkpointing_predicted_bytes"]
     assert abs(data["measured_peak_bytes"] - data["predicted_peak_bytes"]) <= 8
     code, out, _ = run(capsys, "optimize", "tests.test_cli:deep_factory", "--batch", "64")

@@ -4,8 +4,10 @@ Each random model (``tests/common/fuzz.py``: chains and DAGs with residual
 adds, products, concatenations, branches that rejoin, in-place ops,
 BatchNorm, Dropout, LayerNorm/GroupNorm, pooling, varied widths and dtypes)
 is traced and solved with every exact solver (``dp``, ``dp2``, and
-``brute`` when n <= 20). Then, for each distinct optimal plan and for the
-``every`` plan (the most rewriting a plan can do):
+``brute`` when n <= 20), plus the plan of ``optimize_checkpoints``' default
+(dp2's, improved over plans with unwrapped "stored" segments). Then, for
+each distinct optimal plan and for the ``every`` plan (the most rewriting a
+plan can do):
 
 * two training steps of the rewritten module, with the same RNG seeds as
   two steps of the original, give bit-identical outputs, parameter (and
@@ -36,6 +38,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from ckptopt import apply_plan, simulate, solve
 from ckptopt.measure import measure_peak
+from ckptopt.solvers import improve_with_stored
 from ckptopt.tracer import trace
 
 from .common.fuzz import Node, Spec, build, specs
@@ -107,9 +110,12 @@ def check_random_model(spec: Spec) -> None:
     assert len(optimum) == 1, f"exact solvers disagree: { {k: p.peak_bytes for k, p in plans.items()} }"
     for name, plan in plans.items():
         assert simulate(tm.costs, plan.checkpoints).peak_bytes == plan.peak_bytes, name
-    to_run = {p.checkpoints: p for p in plans.values()}
+    to_run = {(p.checkpoints, p.stored): p for p in plans.values()}
+    auto = improve_with_stored(tm.costs, plans["dp2"])  # optimize_checkpoints' default adds this pass
+    assert auto.peak_bytes <= plans["dp2"].peak_bytes
+    to_run.setdefault((auto.checkpoints, auto.stored), auto)
     every = solve(tm.costs, "every")
-    to_run.setdefault(every.checkpoints, every)
+    to_run.setdefault((every.checkpoints, ()), every)
 
     start = _snapshot(model)
     reference = _train(model, model, x)

@@ -103,6 +103,28 @@ def test_pareto_front_with_stored_segments_equals_enumeration(c):
 
 
 @given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
+def test_auto_stored_pass_reaches_the_lexicographic_optimum_over_every_plan(c):
+    """optimize_checkpoints' "auto" pass: dp2's plan, improved over plans with stored segments,
+    is the (peak, recomputation) minimum of every plan, stored segments included (full form);
+    the additive form keeps dp2's plan."""
+    from ckptopt.solvers import improve_with_stored
+
+    base = solve(c, "dp2")
+    got = improve_with_stored(c, base)
+    s = simulate(c, got.checkpoints, got.stored)
+    assert s.peak_bytes == got.peak_bytes <= base.peak_bytes
+    if c.is_additive:
+        assert got == base
+        return
+    assert (s.peak_bytes, s.recompute_flops) == min((p, r) for p, r, *_ in every_plan_with_stored(c))
+    if got.stored or got.checkpoints != base.checkpoints:
+        assert got.solver == "dp2+stored"
+        assert (got.peak_bytes, s.recompute_flops) < (base.peak_bytes, simulate(c, base.checkpoints).recompute_flops)
+    else:
+        assert got == base
+
+
+@given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
 def test_merging_adjacent_unwrapped_segments_keeps_peak_and_recompute(c):
     from ckptopt.solvers.recompute import merge_unwrapped
 

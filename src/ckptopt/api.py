@@ -11,7 +11,7 @@ import torch.nn as nn
 from .rewriter import CheckpointedModule, apply_plan
 from .simulate import simulate
 from .errors import TraceError
-from .solvers import Plan, _check_budget, _lookup, solve
+from .solvers import Plan, _check_budget, _lookup, improve_with_stored, solve
 
 __all__ = ["optimize_checkpoints", "AUTO_EXACT_MAX_N"]
 
@@ -39,9 +39,13 @@ def optimize_checkpoints(
     solver : str
         ``"auto"``: without a budget, the lowest peak (exact ``dp2`` up to
         ``AUTO_EXACT_MAX_N`` layers, ``linear`` beyond), the least
-        recomputation among the plans reaching it; with a budget, ``budget``:
-        the plan with the least recomputation whose peak fits. Or any name of
-        :data:`ckptopt.SOLVERS`.
+        recomputation among the plans reaching it; up to about 2,800 layers
+        the search also covers plans that leave middle segments unwrapped
+        (:attr:`Plan.stored`), which sometimes peak lower or recompute less
+        (the plan's solver then reads ``"dp2+stored"``). With a budget,
+        ``budget``: the plan with the least recomputation whose peak fits.
+        Or any name of :data:`ckptopt.SOLVERS` (those search checkpoint-only
+        plans, the paper's plan space).
     budget : int, optional
         Peak-memory budget in bytes; :class:`ckptopt.InfeasibleBudget` (with
         the smallest achievable peak) when no plan fits.
@@ -86,6 +90,8 @@ def optimize_checkpoints(
     else:
         name = "dp2" if tm.n <= AUTO_EXACT_MAX_N else "linear"
     plan = solve(tm.costs, name, budget=budget)
+    if solver == "auto" and name == "dp2":
+        plan = improve_with_stored(tm.costs, plan)
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)

@@ -162,7 +162,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget) if args.budget else None
     opt = optimize_checkpoints(model, inputs, solver=args.solver, budget=budget, leaf_modules=args.leaf)
     result = dict(model=args.model, solver=opt.plan.solver, checkpoints=list(opt.plan.checkpoints),
-                  n_layers=opt.traced.n, predicted_peak_bytes=opt.predicted_peak_bytes,
+                  stored=list(opt.plan.stored), n_layers=opt.traced.n, predicted_peak_bytes=opt.predicted_peak_bytes,
                   no_checkpointing_predicted_bytes=opt.baseline_peak_bytes, solve_seconds=opt.plan.solve_seconds)
     if args.measure:
         result["no_checkpointing_measured_bytes"] = _measure(model, inputs)

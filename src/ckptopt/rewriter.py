@@ -307,7 +307,8 @@ class CheckpointedModule(nn.Module):
                               for s in self._segments])
         costs = tm.costs
         base, pred = self.baseline_peak_bytes, self.predicted_peak_bytes
-        sim = simulate(costs, plan.checkpoints)
+        stored = set(plan.stored)
+        sim = simulate(costs, plan.checkpoints, plan.stored)
         lines = [
             f"ckptopt plan for {type(self.original).__name__}: {tm.n} layers, solver {plan.solver!r} "
             f"({plan.solve_seconds * 1e3:.1f} ms)",
@@ -320,14 +321,18 @@ class CheckpointedModule(nn.Module):
                          "it runs unchanged (one unwrapped segment)")
         for k, (first, last) in enumerate(plan.segments):
             names = f"{tm.layers[first].name}" + (f" .. {tm.layers[last].name}" if last > first else "")
-            if k < len(plan.segments) - 1:
+            if k < len(plan.segments) - 1 and first in stored:
+                what = ("not wrapped (stored): keeps what its layers save while later segments run, "
+                        "no recomputation")
+            elif k < len(plan.segments) - 1:
                 held = "the model input (static)" if first == 0 else format_bytes(int(costs.a[first - 1]))
                 what = (f"checkpointed: keeps only its input {tm.layers[first].input_node} "
                         f"({held}) and recomputes the rest in backward")
             else:
                 what = "not wrapped: keeps what its layers save, no recomputation"
             lines.append(f"  segment {k}: layers {first}-{last} ({names}): {what}")
-        lines.append(f"peak reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name})")
+        lines.append(f"peak reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name}); "
+                     f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute (3x forward)")
         return "\n".join(lines)
 
     def extra_repr(self) -> str:

@@ -20,7 +20,7 @@ from ..errors import InfeasibleBudget, InvalidCosts, UnknownSolver
 from ..simulate import normalize_plan, simulate
 from . import baselines, exact
 from .linear import linear
-from .recompute import least_recompute, pareto_front
+from .recompute import TIE_BREAK_MAX_WORK, FrontTooLarge, least_recompute, pareto_front, plan_recompute
 
 __all__ = ["Plan", "SolverInfo", "SOLVERS", "solve", "solver_names", "pareto_front"]
 
@@ -259,3 +259,36 @@ def _least_recompute_within(costs: ChainCosts, limit: int) -> Plan:
             "please report this with the cost model (ChainCosts.to_json)"
         )
     return Plan(checkpoints, peak, "budget", seconds, costs.n, stored)
+
+
+def improve_with_stored(costs: ChainCosts, plan: Plan) -> Plan:
+    """``plan`` (an optimum of the checkpoint-only plans), or a better plan that leaves middle
+    segments unwrapped ("stored", :attr:`Plan.stored`).
+
+    Over plans with stored segments the lowest peak can be lower (rotor's forward-all step;
+    1.8% on the MLP of ``benchmarks/budget_curve.py``) and, at the same peak, the recomputation
+    smaller. The Pareto program capped at ``plan``'s peak finds the lowest (peak, recomputation)
+    there; its plan is returned when strictly better, ``plan`` otherwise. The pass is bounded
+    like ``dp2``'s tie-break (``TIE_BREAK_MAX_WORK``) and skipped for the additive form, which
+    does not say what a layer keeps.
+    """
+    if costs.is_additive or costs.n * costs.n > 4 * TIE_BREAK_MAX_WORK:
+        return plan
+    _ensure_compiled()
+    t0 = time.perf_counter()
+    try:
+        front = pareto_front(costs, plan.peak_bytes, allow_stored=True, max_work=TIE_BREAK_MAX_WORK)
+    except FrontTooLarge:
+        return plan
+    seconds = time.perf_counter() - t0
+    if not front:  # cannot happen: plan itself is within the cap
+        return plan
+    peak, rec, checkpoints, stored = front[0]
+    if (peak, rec) >= (plan.peak_bytes, plan_recompute(costs, plan.checkpoints, plan.stored)):
+        return plan
+    if simulate(costs, checkpoints, stored).peak_bytes != peak:
+        raise RuntimeError(
+            f"internal error: the stored-segment pass reports a peak of {peak} bytes that the simulator "
+            "does not reproduce; please report this with the cost model (ChainCosts.to_json)"
+        )
+    return Plan(checkpoints, peak, plan.solver + "+stored", plan.solve_seconds + seconds, costs.n, stored)
