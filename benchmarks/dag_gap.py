@@ -21,18 +21,16 @@ import sys
 import time
 
 import torch
-from torch._dynamo.utils import deepcopy_to_fake_tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import run_metadata  # noqa: E402
 
-from ckptopt import apply_plan, solve, zoo  # noqa: E402
+from ckptopt import solve, zoo  # noqa: E402
 from ckptopt._dag_measure import solve_nodes, trace_dag  # noqa: E402
 from ckptopt.dag import NodePlan, brute_force_dag, local_search_dag, simulate_dag  # noqa: E402
-from ckptopt.measure import StorageTracker  # noqa: E402
+from ckptopt.measure import measure_plans_fake  # noqa: E402
 from tests.test_dag_exactness import CASES  # noqa: E402
 
 SMALL = ("resnet-like", "densenet-like", "unet-like")
@@ -45,22 +43,7 @@ ZOO = {
 
 def fake_peak(model, inputs, td, cuts) -> int:
     """Measured peak of node plan ``cuts``: the rewritten model on fake tensors."""
-    fm = FakeTensorMode()
-    fmodel = deepcopy_to_fake_tensor(model, fm)
-    fargs = tuple(fm.from_tensor(a) for a in inputs)
-    module = apply_plan(fmodel, td.traced, NodePlan(tuple(cuts), td.costs.n))
-    tracker = StorageTracker(fake=True)
-    try:
-        with fm:
-            tracker.register(fmodel, fargs)
-            with tracker:
-                loss = module(*fargs).float().pow(2).mean()
-                loss.backward()
-                del loss
-        return int(tracker.peak_bytes)
-    finally:
-        tracker.detach()
-        module.remove_hooks()
+    return measure_plans_fake(model, inputs, td.traced, [NodePlan(tuple(cuts), td.costs.n)])[0]
 
 
 from ckptopt._dag_measure import chain_plan_as_node_cuts as chain_cuts  # noqa: E402

@@ -13,11 +13,9 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from torch._dynamo.utils import deepcopy_to_fake_tensor
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ckptopt import Plan, apply_plan, simulate, solve, zoo
-from ckptopt.measure import StorageTracker
+from ckptopt import simulate, solve, zoo
+from ckptopt.measure import measure_plans_fake
 from ckptopt.tracer import trace
 
 from .common.models import ResNetish
@@ -86,28 +84,6 @@ LONG = os.environ.get("CKPTOPT_DAG_LONG", "") not in ("", "0")
 SAMPLE = 40  # plans with three cuts or more, per model, in the default profile
 
 
-def fake_peaks(model, inputs, tm, plans):
-    fm = FakeTensorMode()
-    fmodel = deepcopy_to_fake_tensor(model, fm)
-    fargs = tuple(fm.from_tensor(a) for a in inputs)
-    out = {}
-    for cps in plans:
-        module = apply_plan(fmodel, tm, Plan(cps, 0, "given", 0.0, tm.n))
-        for p in fmodel.parameters():
-            p.grad = None
-        tracker = StorageTracker(fake=True)
-        with fm:
-            tracker.register(fmodel, fargs)
-            with tracker:
-                loss = module(*fargs).float().pow(2).mean()
-                loss.backward()
-                del loss
-        out[cps] = tracker.peak_bytes
-        tracker.detach()
-        module.remove_hooks()
-    return out
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_every_plan_measured_equals_simulated(name):
     torch.manual_seed(0)
@@ -122,7 +98,7 @@ def test_every_plan_measured_equals_simulated(name):
     for solver in ("dp", "dp2", "brute"):
         plans.append(solve(tm.costs, solver).checkpoints)
     plans = list(dict.fromkeys(plans))
-    measured = fake_peaks(model, inputs, tm, plans)
+    measured = dict(zip(plans, measure_plans_fake(model, inputs, tm, plans)))
     for cps, peak in measured.items():
         # 8 bytes: the scalar loss and its gradient, which the chain model leaves out
         # 16 bytes: the int64 copy of num_batches_tracked the BatchNorm hook keeps while a

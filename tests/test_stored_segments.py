@@ -10,6 +10,8 @@ import torch
 
 from ckptopt import InfeasibleBudget, Plan, apply_plan, measure_peak, optimize_checkpoints, simulate, solve, trace
 
+from ckptopt.measure import measure_plans_fake
+
 from .test_dag_exactness import CASES, TOLERANCE
 
 
@@ -33,10 +35,10 @@ def test_stored_segments_measured_equals_simulated(name):
     torch.manual_seed(0)
     model, inputs = CASES[name]()
     tm = trace(model, inputs, loss_fn=_loss)
-    for cps, stored in _sample(tm.n, 8):
-        pred = simulate(tm.costs, cps, stored).peak_bytes
-        plan = Plan(cps, pred, "given", 0.0, tm.n, stored)
-        meas = measure_peak(model, inputs, loss_fn=_loss, checkpoints=plan, fake=True)
+    plans = [Plan(cps, simulate(tm.costs, cps, stored).peak_bytes, "given", 0.0, tm.n, stored)
+             for cps, stored in _sample(tm.n, 8)]
+    for plan, meas in zip(plans, measure_plans_fake(model, inputs, tm, plans, loss_fn=_loss)):
+        cps, stored, pred = plan.checkpoints, plan.stored, plan.peak_bytes
         # 8 bytes: the scalar loss and its gradient; 16: BatchNorm hook copies (see test_dag_exactness)
         assert abs(meas - 8 - pred) <= max(16, TOLERANCE.get(name, 0) * meas), (cps, stored, meas, pred)
 

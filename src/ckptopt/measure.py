@@ -553,6 +553,54 @@ def _measure_fake(model: nn.Module, args: tuple, loss_fn, checkpoints=None) -> P
             run.remove_hooks()
 
 
+def measure_plans_fake(model: nn.Module, example_inputs: Any, traced: Any, plans: Iterable[Any],
+                       loss_fn: Callable | None = None) -> list[int]:
+    """The measured peak of one training step of ``model`` rewritten with each plan, on one
+    fake-tensor copy (nothing is allocated).
+
+    Each figure is that of ``measure_peak(model, x, checkpoints=plan, fake=True)``; the model
+    is copied once and not traced again, so many plans cost one step each.
+
+    Parameters
+    ----------
+    traced : TracedModel
+        ``ckptopt.trace(model, x)`` (for a node-level plan, the node trace's ``.traced``).
+    plans : iterable of Plan, NodePlan or tuple of int
+        A tuple is a chain plan (segment-start layers) for ``traced``.
+    """
+    from torch._dynamo.utils import deepcopy_to_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .rewriter import apply_plan
+    from .simulate import normalize_plan, simulate
+    from .solvers import Plan
+
+    _check_module(model, "measure_plans_fake")
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    fm = FakeTensorMode()
+    fmodel = deepcopy_to_fake_tensor(model, fm)
+    fargs = tuple(fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    out = []
+    for plan in plans:
+        if isinstance(plan, (tuple, list)):
+            cps = normalize_plan(traced.costs, plan)
+            plan = Plan(cps, simulate(traced.costs, cps).peak_bytes, "given", 0.0, traced.n)
+        module = apply_plan(fmodel, traced, plan)
+        for prm in fmodel.parameters():
+            prm.grad = None
+        tracker = StorageTracker(fake=True)
+        try:
+            with fm, torch.enable_grad():
+                tracker.register(fmodel, fargs)
+                with tracker:
+                    _train_step(module, fargs, loss_fn)
+            out.append(int(tracker.peak_bytes))
+        finally:
+            tracker.detach()
+            module.remove_hooks()
+    return out
+
+
 def measure_peak_detailed(
     model: nn.Module,
     example_inputs: Any,
