@@ -1,9 +1,13 @@
 """Solve time against n for dp (O(n^3)), dp2 (O(n^2)) and linear (O(n)).
 
 Random additive instances (seeded); for each n the solvers run interleaved on the
-same instance, `--repeats` times, and the median is kept. Writes
-benchmarks/results/solver_scaling.{json,png} and prints a Markdown table with the
-fitted log-log slopes (least squares over the sizes at or above `--fit-from`).
+same instance, `--repeats` times, and the median is kept. Two times per solver:
+the optimum pass alone (the compiled kernel: the complexity the slopes measure) and
+the whole `solve()` call, which adds the least-recomputation tie-break (dp/dp2: a
+Pareto pass bounded at about 0.4 s and skipped above ~2,800 layers; linear: an
+O(n log n) pass). Writes benchmarks/results/solver_scaling.{json,png} and prints
+Markdown tables with the fitted log-log slopes (least squares over the sizes at or
+above `FIT_FROM`).
 
     python benchmarks/solver_scaling.py            # full run, about a minute on 2 cores
     python benchmarks/solver_scaling.py --quick    # smaller sizes, seconds
@@ -16,11 +20,12 @@ import datetime as dt
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 
 import numpy as np
 
-from ckptopt import ChainCosts, solve
+from ckptopt import ChainCosts, _kernels, solve
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -40,6 +45,23 @@ def instance(n: int, seed: int) -> ChainCosts:
     )
 
 
+def optimum_pass(c: ChainCosts, s: str) -> tuple[float, int]:
+    """Seconds of the solver's first pass alone (the compiled kernel) and the value it finds."""
+    full = not c.is_additive
+    arrays = c.kernel_arrays  # cached; built before the clock starts
+    if s == "linear":
+        w, h, q = c.additive_form()
+        P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
+        q, w = np.ascontiguousarray(q, dtype=np.int64), np.ascontiguousarray(w, dtype=np.int64)
+        t0 = time.perf_counter()
+        value, _ = _kernels.linear_additive(c.n, P, q, w)
+    else:
+        kernel = _kernels.dp_cubic if s == "dp" else _kernels.dp_quadratic
+        t0 = time.perf_counter()
+        value, _ = kernel(c.n, full, arrays)
+    return time.perf_counter() - t0, int(value) + c.static
+
+
 def fit_slope(ns, ts):
     x, y = np.log(ns), np.log(ts)
     return float(np.polyfit(x, y, 1)[0])
@@ -55,24 +77,32 @@ def main() -> None:
     solve(instance(5, 0), "dp")  # compile / load the kernels before timing anything
 
     all_n = sorted({n for v in sizes.values() for n in v})
-    times: dict[str, dict[int, float]] = {s: {} for s in sizes}
+    times: dict[str, dict[int, float]] = {s: {} for s in sizes}  # optimum pass alone
+    solve_times: dict[str, dict[int, float]] = {s: {} for s in sizes}  # whole solve(), tie-break included
     agree: dict[int, bool] = {}
     for n in all_n:
         c = instance(n, seed=n)
         runs = {s: [] for s in sizes if n in sizes[s]}
+        whole = {s: [] for s in runs}
         reps = 1 if (n >= 1500 and "dp" in runs) else args.repeats
         peaks = {}
         for _ in range(reps):  # interleaved: each repeat runs every solver once
             for s in runs:
+                t, value = optimum_pass(c, s)
+                runs[s].append(t)
                 p = solve(c, s)
-                runs[s].append(p.solve_seconds)
+                whole[s].append(p.solve_seconds)
                 peaks[s] = p.peak_bytes
-        for s, ts in runs.items():
-            times[s][n] = statistics.median(ts)
+                if value != p.peak_bytes:
+                    raise SystemExit(f"{s} at n={n}: first pass {value} != solve() {p.peak_bytes}")
+        for s in runs:
+            times[s][n] = statistics.median(runs[s])
+            solve_times[s][n] = statistics.median(whole[s])
         if len(set(peaks.values())) > 1:
             raise SystemExit(f"solvers disagree at n={n}: {peaks}")
         agree[n] = True
-        print(f"n={n:>8}: " + "  ".join(f"{s} {times[s][n]:.4g}s" for s in runs), flush=True)
+        print(f"n={n:>8}: " + "  ".join(f"{s} {times[s][n]:.4g}s (solve {solve_times[s][n]:.4g}s)" for s in runs),
+              flush=True)
 
     slopes = {}
     for s in sizes:
@@ -90,6 +120,7 @@ def main() -> None:
         repeats=args.repeats,
     )
     result = dict(meta=meta, seconds={s: {str(n): t for n, t in v.items()} for s, v in times.items()},
+                  solve_seconds={s: {str(n): t for n, t in v.items()} for s, v in solve_times.items()},
                   slopes=slopes, peaks_agree_at=sorted(agree))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "solver_scaling_quick" if args.quick else "solver_scaling"
@@ -101,6 +132,12 @@ def main() -> None:
     for s in sizes:
         cells = [f"{times[s][n]:.3g} s" if n in times[s] else "" for n in all_n]
         print(f"| {s} | " + " | ".join(cells) + f" | {slopes[s]:.2f} |")
+    print("\nwhole solve() (tie-break included):")
+    print("| solver | " + " | ".join(f"n={n:,}" for n in all_n) + " |")
+    print("|---|" + "---|" * len(all_n))
+    for s in sizes:
+        cells = [f"{solve_times[s][n]:.3g} s" if n in solve_times[s] else "" for n in all_n]
+        print(f"| {s} | " + " | ".join(cells) + " |")
 
     try:
         import matplotlib
@@ -113,10 +150,13 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     for s, marker in zip(sizes, "osd"):
         ns = sorted(times[s])
-        ax.loglog(ns, [times[s][n] for n in ns], marker=marker, label=f"{s} (slope {slopes[s]:.2f})")
+        line = ax.loglog(ns, [times[s][n] for n in ns], marker=marker, label=f"{s} (slope {slopes[s]:.2f})")[0]
+        ax.loglog(ns, [solve_times[s][n] for n in ns], marker=marker, ls=":", color=line.get_color(),
+                  mfc="none", alpha=0.7)
     ax.set_xlabel("n (layers)")
     ax.set_ylabel("solve time (s), median")
-    ax.set_title("Solver time against n, random additive instances")
+    ax.set_title("Solver time against n, random additive instances\n"
+                 "solid: optimum pass; dotted: whole solve() with the tie-break", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.text(0.01, 0.01, f"{meta['command']} | {meta['date']} | {meta['cpus']} CPUs", fontsize=6, alpha=0.7)
