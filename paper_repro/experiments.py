@@ -37,11 +37,6 @@ from .config import STRATEGIES, TIMED_SOLVERS, TIMELINE_PLANS, ModelConfig
 
 DP_MAX_N = 2000  # dp is O(n^3): skipped above this n (never reached by the zoo)
 
-# deepcopy_to_fake_tensor walks the rewritten module's FX graphs recursively; the
-# default limit (1000) is too low for ResNet-50 (RecursionError in copy.deepcopy).
-sys.setrecursionlimit(max(sys.getrecursionlimit(), 20_000))
-
-
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

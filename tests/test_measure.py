@@ -453,3 +453,29 @@ def test_fake_measurement_of_a_plan_does_not_copy_the_rewritten_module(monkeypat
     plan = solve(trace(model, x).costs, "sqrt").checkpoints
     assert plan
     assert measure_peak(model, x, checkpoints=plan, fake=True) == measure_peak(model, x, checkpoints=plan)
+    # a rewritten module measured on fake tensors: its plan is applied again to a fake copy of
+    # the original (paper_repro's batch sweep overflowed the recursion limit on ResNet-50 here)
+    from ckptopt import Plan, apply_plan, simulate
+
+    tm = trace(model, x)
+    opt = apply_plan(model, tm, Plan(plan, simulate(tm.costs, plan).peak_bytes, "given", 0.0, tm.n))
+    assert measure_peak(opt, x, fake=True) == measure_peak(opt, x)
+    with pytest.raises(ValueError, match="already rewritten"):
+        measure_peak(opt, x, checkpoints=plan, fake=True)
+
+
+def test_fake_measurement_of_a_large_rewritten_module():
+    """ResNet-50's rewritten module on fake tensors, at the default recursion limit."""
+    import sys
+
+    from ckptopt import optimize_checkpoints, zoo
+
+    model, x = zoo.get("resnet50", batch_size=2, input_size=32)
+    opt = optimize_checkpoints(model, x)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default (a deep copy of the graphs needs far more)
+    try:
+        measured = measure_peak(opt, x, fake=True)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert measured - opt.predicted_peak_bytes == 8

@@ -533,12 +533,23 @@ def _measure_fake(model: nn.Module, args: tuple, loss_fn, checkpoints=None) -> P
     from torch._dynamo.utils import deepcopy_to_fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .rewriter import CheckpointedModule, apply_plan
+
     fm = FakeTensorMode()
-    fmodel = deepcopy_to_fake_tensor(model, fm)
+    if isinstance(model, CheckpointedModule):
+        # a rewritten module is not copied (deep-copying its graphs overflows the recursion
+        # limit on large models): its plan is applied again to a fake copy of the original
+        if checkpoints is not None:
+            raise ValueError("measure_peak: the model is already rewritten (a CheckpointedModule); "
+                             "pass checkpoints= with the original model, or leave it out")
+        fmodel = deepcopy_to_fake_tensor(model.original, fm)
+        run = apply_plan(fmodel, model.traced, model.plan)
+    else:
+        fmodel = deepcopy_to_fake_tensor(model, fm)
+        run = fmodel if checkpoints is None else _with_checkpoints(model, args, loss_fn, checkpoints, target=fmodel)
     for prm in fmodel.parameters():
         prm.grad = None
     fargs = tuple(fm.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-    run = fmodel if checkpoints is None else _with_checkpoints(model, args, loss_fn, checkpoints, target=fmodel)
     tracker = StorageTracker(timeline=True, fake=True)
     try:
         with fm, torch.enable_grad():
