@@ -78,6 +78,19 @@ def test_optimize_measure_json(capsys):
     assert "predicted peak" in out and "segment 0" in out
 
 
+def test_compare_default_is_what_optimize_picks(capsys):
+    code, out, _ = run(capsys, "compare", "tests.test_cli:deep_factory", "--batch", "1024", "--solvers",
+                       "dp2,default", "--json")
+    rows = {r["solver"]: r for r in json.loads(out)["rows"]}
+    code2, out2, _ = run(capsys, "optimize", "tests.test_cli:deep_factory", "--batch", "1024", "--json")
+    picked = json.loads(out2)
+    assert code == code2 == 0
+    assert (rows["default"]["checkpoints"], rows["default"]["stored"]) == (picked["checkpoints"], picked["stored"])
+    assert rows["default"]["predicted_peak_bytes"] == picked["predicted_peak_bytes"]
+    assert rows["default"]["predicted_peak_bytes"] <= rows["dp2"]["predicted_peak_bytes"]
+    assert rows["dp2"]["stored"] == []
+
+
 def test_optimize_infeasible_budget(capsys):
     code, _, err = run(capsys, "optimize", "tests.test_cli:deep_factory", "--budget", "1KiB")
     assert code == 2 and "smallest achievable peak" in err

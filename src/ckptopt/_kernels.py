@@ -1,16 +1,20 @@
 """Compiled (numba, nopython) hot loops shared by the simulator and the solvers.
 
-Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs)``
-built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
+Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep,
+sout, rb)`` built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
 (False for the additive form, where only the backward term exists).
 
 Memory-model note (DESIGN.md section 3), relative to the static bytes and to
 the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 ``H(l, i) = P[i] - P[l]`` (what layers ``l..i-1`` leave saved, by storage):
 
-* backward at layer i:            ``H(l, i) + qb[i]``
+* backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
+  ``qb[i]`` alone for the trailing layers after its last saving layer ``j``
+  (their backward reads no saved tensor, so it runs before the recomputation)
 * forward at i (wrapped segment): ``f[l]`` at ``i = l``, ``fw[i]`` after
-* recompute at i:                 ``G[r] + a[r] + (f[l] | H(l, i) + qf[i])``
+* recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])``, where
+  ``rb[r] = G[j] + rg[j]`` is what the backward holds when layer ``j`` first
+  reads a saved tensor (``G[r] + a[r]`` when ``j = r`` reads first thing)
   for ``i`` up to the last layer the recomputation runs (it stops once the
   last tensor the segment saves is rebuilt: at the last layer that saves a
   tensor it produces, a last layer that only saves its input is not run),
@@ -60,11 +64,12 @@ def segment_peak(l, r, last, full, K, live_in):
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
     are live while its first layer runs forward.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb = K
     Pl = P[l]
     best = NEG
     phase = -1
     layer = -1
+    trigger = r  # backward terms after this layer are taken without the segment's saves
     if full:
         if last:
             v = f[l] + live_in
@@ -87,11 +92,12 @@ def segment_peak(l, r, last, full, K, live_in):
                 if saves[i] != 0:
                     e = i
                     break
+            trigger = e  # layers after it save nothing: their backward runs before the recomputation
             partial = e >= l and runs[e] != 0  # layer e runs only up to its last saved tensor
             if e >= l and runs[e] == 0:
                 e -= 1  # e only saves its input: the layer before it runs to its end
             if e >= l:
-                base = G[r] + a[r]
+                base = rb[r]
                 for i in range(l, e + 1):
                     stop = partial and i == e
                     if i == l:
@@ -101,7 +107,7 @@ def segment_peak(l, r, last, full, K, live_in):
                     if v > best:
                         best, phase, layer = v, 1, i
     for i in range(r, l - 1, -1):
-        v = P[i] - Pl + qb[i]
+        v = P[i] - Pl + qb[i] if i <= trigger else qb[i]
         if v > best:
             best, phase, layer = v, 2, i
     return best, phase, layer
@@ -195,8 +201,8 @@ def dp_cubic(n, full, K):
 @njit(cache=True)
 def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     """Every segment ``[l, r]``, r = l..n-1, in O(n - l): each entry costs O(1)
-    after the previous one (running maxima; the recomputation term is ``G[r] +
-    a[r]`` plus a running maximum taken up to the last layer the recomputation
+    after the previous one (running maxima; the recomputation term is ``rb[r]``
+    plus a running maximum taken up to the last layer the recomputation
     runs, which only moves forward with ``r``).
 
     Fills, relative to the segment's checkpoints and without the live-input
@@ -210,9 +216,11 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
       sums ``Cpre`` of the per-layer compute.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb = K
     Pl = P[l]
     bwd = NEG
+    bwd_j = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
+    tail = NEG  # ... and after it (without: they run before the recomputation)
     fwdw = f[l]  # wrapped forward, running max
     pm = f[l]  # running max of the live-forward term (recompute / unwrapped forward)
     pm_prev = NEG
@@ -226,6 +234,10 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
             bwd = v
         if saves[r] != 0:
             seg_saves = True
+            bwd_j = bwd
+            tail = NEG
+        elif qb[r] > tail:
+            tail = qb[r]
         if full:
             if r > l:
                 if fw[r] > fwdw:
@@ -248,9 +260,11 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
                     has_e = True
                     e = r - 1
             Ds[r] = bwd if bwd > pm else pm
-            d = bwd if bwd > fwdw else fwdw
+            d = bwd_j if bwd_j > tail else tail
+            if fwdw > d:
+                d = fwdw
             if has_e:
-                v = G[r] + a[r] + e_pm
+                v = rb[r] + e_pm
                 if v > d:
                     d = v
             Dc[r] = d
@@ -644,8 +658,9 @@ def warmup() -> None:
     n = 3
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one)
+    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
+    cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     for full in (True, False):
         segment_peak(0, n - 1, True, full, K, 0)
         simulate_plan(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K)

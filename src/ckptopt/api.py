@@ -83,19 +83,26 @@ def optimize_checkpoints(
         _check_forward_has_no_python_side_effects(model, example_inputs)
     finally:
         _restore_python_state(state)  # FX runs the forward's Python code on the model itself
-    if solver != "auto":
-        name = solver
-    elif budget is not None:
-        name = "budget"
+    if solver == "auto" and budget is None:
+        plan = default_plan(tm.costs)
     else:
-        name = "dp2" if tm.n <= AUTO_EXACT_MAX_N else "linear"
-    plan = solve(tm.costs, name, budget=budget)
-    if solver == "auto" and name == "dp2":
-        plan = improve_with_stored(tm.costs, plan)
+        plan = solve(tm.costs, "budget" if solver == "auto" else solver, budget=budget)
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     return apply_plan(model, tm, plan)
+
+
+def default_plan(costs) -> Plan:
+    """The plan ``optimize_checkpoints`` picks without a budget (solver ``"auto"``).
+
+    ``dp2`` up to ``AUTO_EXACT_MAX_N`` layers (``linear`` beyond), then, where the
+    pass is cheap enough (about 2,800 layers), improved over plans that leave middle
+    segments unwrapped (:func:`ckptopt.solvers.improve_with_stored`).
+    """
+    if costs.n > AUTO_EXACT_MAX_N:
+        return solve(costs, "linear")
+    return improve_with_stored(costs, solve(costs, "dp2"))
 
 
 # --------------------------------------------------------------------------

@@ -181,12 +181,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-COMPARE_SOLVERS = ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp")
+# "default": what `ckptopt optimize` / optimize_checkpoints pick (dp2, improved with unwrapped segments)
+COMPARE_SOLVERS = ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp", "default")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from .api import default_plan
     from .rewriter import apply_plan
     from .simulate import recomputed_layers
 
@@ -198,10 +200,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     total = sum(flops) or 1
     rows = []
     for name in tqdm(names, desc="solvers", disable=not args.measure or args.json, leave=False):
-        plan = solve(tm.costs, name)
+        plan = default_plan(tm.costs) if name == "default" else solve(tm.costs, name)
+        recomputed = recomputed_layers(tm.costs, plan.checkpoints, plan.stored)
         row = dict(solver=name, predicted_peak_bytes=plan.peak_bytes, segments=len(plan.checkpoints) + 1,
-                   checkpoints=list(plan.checkpoints), solve_seconds=plan.solve_seconds,
-                   recompute_share=sum(flops[i] for i in recomputed_layers(tm.costs, plan.checkpoints)) / total)
+                   checkpoints=list(plan.checkpoints), stored=list(plan.stored), solve_seconds=plan.solve_seconds,
+                   recompute_share=sum(flops[i] for i in recomputed) / total)
         if args.measure:
             row["measured_peak_bytes"] = _measure(apply_plan(model, tm, plan), inputs)
         rows.append(row)
@@ -214,10 +217,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         import csv
 
         with open(args.csv, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=[k for k in rows[0] if k != "checkpoints"] + ["checkpoints"])
+            lists = ("checkpoints", "stored")
+            w = csv.DictWriter(fh, fieldnames=[k for k in rows[0] if k not in lists] + list(lists))
             w.writeheader()
             for r in rows:
-                w.writerow(dict(r, checkpoints=" ".join(map(str, r["checkpoints"]))))
+                w.writerow(dict(r, **{k: " ".join(map(str, r[k])) for k in lists}))
     if args.png:
         _bar_chart(args, rows)
     if args.json:
@@ -234,8 +238,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         vs = f"{100.0 * (r['predicted_peak_bytes'] - base) / base:+.1f}%" if base else "-"
         print(f"{r['solver']:<12} {format_bytes(r['predicted_peak_bytes']):>11} {meas:>11} {vs:>8} "
               f"{r['segments']:>5} {100 * r['recompute_share']:>8.1f}% {r['solve_seconds'] * 1e3:>7.2f}ms  "
-              f"{_fmt_plan(tuple(r['checkpoints']))}")
-    print("recompute: forward FLOPs re-run in backward, as a share of one forward pass")
+              f"{_fmt_plan(tuple(r['checkpoints']))}"
+              + (f"; unwrapped: {_fmt_plan(tuple(r['stored']))}" if r["stored"] else ""))
+    print("recompute: forward FLOPs re-run in backward, as a share of one forward pass; "
+          "default: what `ckptopt optimize` picks")
     return 0
 
 

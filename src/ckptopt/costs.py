@@ -18,6 +18,10 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``fs[i]``  (optional) forward transient up to the last tensor the layer saves:
            a recomputation ending with this layer stops there. Default: ``f[i]``
            if the layer saves its output or extra tensors, else 0
+``rg[i]``  (optional) gradient bytes the backward of layer ``i`` holds when it first
+           reads a saved tensor (its output gradient plus what ops that save
+           nothing, at the end of the layer, already produced): a recomputation
+           this backward triggers starts there. Default: ``a[i]``
 ``static`` K: parameters, buffers and the model input
 =========  =================================================================
 
@@ -185,15 +189,20 @@ class ChainCosts:
         names: Iterable[str] | None = None,
         fs: Sequence[int] | None = None,
         c: Sequence[int] | None = None,
+        rg: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
             values["fs"] = fs
+        if rg is not None:
+            values["rg"] = rg
         self._init("full", values, static, names, c)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
             d.setflags(write=False)
             self._fields["fs"] = d
+        if rg is None:  # default: only the output gradient when the backward first reads
+            self._fields["rg"] = self._fields["a"]
 
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None) -> None:
@@ -295,14 +304,15 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
         names = data.get("names")
         compute = data.get("compute")
         if kind == "full":
-            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"), c=compute)
+            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
+                       rg=layers.get("rg"), c=compute)
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute)
 
     @classmethod
@@ -403,13 +413,17 @@ class ChainCosts:
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
 
-        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout)``: ``P``
+        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb)``: ``P``
         (length n+1) the prefix sums of what each layer leaves saved, ``qb`` the
         per-layer backward term, ``ck`` the bytes a segment starting at a layer
         holds as its checkpoint (``ck[0] = 0``), for the full form the forward
         and recomputation terms, and ``keep[i]`` what layer ``i`` keeps of what
         it produces (what a stored segment ending at ``i`` holds beyond
-        ``P[i] - P[l]``). Everything else is zero for the additive form.
+        ``P[i] - P[l]``), and ``rb[r]`` the gradient bytes held while a
+        checkpointed segment ending at ``r`` is recomputed: the backward of its
+        trailing layers that save nothing runs first, so it is ``G[j] + rg[j]``
+        for ``j`` the last layer up to ``r`` that saves a tensor. Everything else
+        is zero for the additive form.
         """
         n = self.n
         z = np.zeros(n, dtype=np.int64)
@@ -419,7 +433,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z)
+            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
@@ -441,8 +455,18 @@ class ChainCosts:
         saves = ((sout > 0) | (m > 0) | (sin > 0)).astype(np.int64)
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
+        # rb[r]: the recomputation of a segment ending at r starts when the backward of its last
+        # saving layer j first reads a saved tensor (the trailing layers' backward has run)
+        rg = self._fields["rg"]
+        rb = G + a
+        j = -1
+        for r in range(n):
+            if saves[r]:
+                j = r
+            if j >= 0:
+                rb[r] = G[j] + rg[j]
         return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),
-                keep.astype(np.int64), sout.astype(np.int64))
+                keep.astype(np.int64), sout.astype(np.int64), rb.astype(np.int64))
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.
@@ -456,7 +480,7 @@ class ChainCosts:
         they depend on where the segment ends. The simulator scores the
         resulting plan with the full model.
         """
-        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout = self.kernel_arrays
+        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb = self.kernel_arrays
         h = np.diff(P)
         if self.kind == "additive":
             return ck, h, qb

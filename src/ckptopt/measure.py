@@ -755,6 +755,7 @@ class LayerMeasurement:
     buffer_bytes: int = 0
     input_bytes: int = 0
     fs: int | None = None
+    rg: int | None = None
 
     @property
     def saved_bytes(self) -> int:
@@ -920,6 +921,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             minus ``P + Buf + X``: when this layer ends a checkpointed
             segment, its recomputation stops there (0 when it saves only its
             input, which is packed before it computes).
+        ``rg``
+            the bytes the backward holds beyond what was live when it started
+            (the output gradient included) at the moment it first reads a
+            saved tensor: ops at the end of the layer that save nothing (a
+            mean, a concatenation, a product with a constant) run their
+            backward before that, and a recomputation that this layer's
+            backward triggers starts there (``a`` when it saves nothing).
         ``b``
             backward peak minus the bytes live when backward starts minus
             the output gradient. Live at the start are ``P + Buf`` and the
@@ -996,6 +1004,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
             return box
 
+        first_unpack: list[int] = []  # live bytes when the backward first reads a saved tensor
+
+        def unpack(box: _Packed) -> torch.Tensor:
+            if not first_unpack:
+                first_unpack.append(tracker.current_bytes)
+            return box.t
+
         grads_exist = list(grads_exist)
         pending = _storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
         tracker = StorageTracker(fake=fake)
@@ -1004,7 +1019,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         try:
             with tracker:
                 # forward
-                with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+                with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                     y = module(x)
                 forward_peak = tracker.peak_bytes
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
@@ -1058,6 +1073,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         f=int(forward_peak - start),
         fs=int(last_pack - start) if last_pack is not None else 0,
         b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
+        rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
     )

@@ -82,12 +82,12 @@ def _forward(l: int, r: int, last: bool, K, live_in: int) -> list[tuple[str, int
 
 def _recompute(l: int, r: int, K) -> list[tuple[str, int, int]]:
     """Recomputation events of the checkpointed segment [l, r] (none if it saves nothing)."""
-    P, qf, f, G, a, runs, saves, qs, fs = K[0], K[3], K[5], K[6], K[7], K[8], K[9], K[11], K[12]
-    e = next((i for i in range(r, l - 1, -1) if saves[i]), l - 1)
+    P, qf, f, runs, saves, qs, fs, rb = K[0], K[3], K[5], K[8], K[9], K[11], K[12], K[15]
+    e = _trigger(l, r, K)
     partial = e >= l and bool(runs[e])  # e runs only up to its last saved tensor
     if e >= l and not runs[e]:
         e -= 1  # e saves only its input: the layer before it runs to its end
-    base = int(G[r] + a[r])
+    base = int(rb[r])  # the gradients held when the backward of the last saving layer first reads
     out = []
     for i in range(l, e + 1):
         stop = partial and i == e
@@ -99,9 +99,20 @@ def _recompute(l: int, r: int, K) -> list[tuple[str, int, int]]:
     return out
 
 
-def _backward(l: int, r: int, K) -> list[tuple[str, int, int]]:
+def _trigger(l: int, r: int, K) -> int:
+    """The last layer of [l, r] that saves a tensor (l - 1 if none): in a checkpointed segment its
+    backward is the first to read one, so the recomputation starts there."""
+    saves = K[9]
+    return next((i for i in range(r, l - 1, -1) if saves[i]), l - 1)
+
+
+def _backward(l: int, r: int, K, after: int | None = None) -> list[tuple[str, int, int]]:
+    """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
+    segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation)."""
     P, qb = K[0], K[1]
-    return [("backward", i, int(P[i] - P[l] + qb[i])) for i in range(r, l - 1, -1)]
+    after = r if after is None else after
+    return [("backward", i, int(P[i] - P[l] + qb[i]) if i <= after else int(qb[i]))
+            for i in range(r, l - 1, -1)]
 
 
 def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[TimelineEvent]:
@@ -118,9 +129,11 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[Tim
     -------
     list of TimelineEvent
         In execution order: ``n`` forward events, then per segment from the
-        last to the first its recompute events (for the layers
-        :func:`ckptopt.simulate.recomputed_layers` names) and its ``r - l + 1``
-        backward events. The additive form gives the ``n`` backward events only.
+        last to the first its ``r - l + 1`` backward events, with its recompute
+        events (for the layers :func:`ckptopt.simulate.recomputed_layers` names)
+        before the backward of its last layer that saves a tensor (the
+        backward of the layers after it reads nothing saved, so it runs
+        first). The additive form gives the ``n`` backward events only.
 
     Raises
     ------
@@ -162,6 +175,11 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[Tim
     for k in range(m - 1, -1, -1):
         l, r = segs[k]
         base = costs.static + held[k]
-        events = (_recompute(l, r, K) if full and k < m - 1 else []) + _backward(l, r, K)
+        if full and k < m - 1:  # trailing layers that save nothing, the recomputation, the rest
+            j = _trigger(l, r, K)
+            trail = _backward(l, r, K, after=j)
+            events = trail[:r - j] + _recompute(l, r, K) + trail[r - j:]
+        else:
+            events = _backward(l, r, K)
         backward += [TimelineEvent(ph, i, k, base + v) for ph, i, v in events]
     return forward + backward

@@ -42,6 +42,7 @@ def _full(c, checkpoints):
     b = [int(x) for x in c.b]
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
+    rg = [int(x) for x in c.rg]
     sin = [bool(x) for x in c.sin]
     sout = [bool(x) for x in c.sout]
     size = {}
@@ -50,6 +51,7 @@ def _full(c, checkpoints):
         size[f"g{t}"] = a[t]
         size[f"m{t}"] = m[t]
         size[f"gp{t}"] = p[t]
+        size[f"r{t}"] = rg[t]  # gradients held when layer t's backward first reads a saved tensor
     size["x-1"] = 0  # the model input lives in the static bytes
 
     def saved(i):
@@ -87,9 +89,19 @@ def _full(c, checkpoints):
     for k in range(last, -1, -1):
         l, r = segs[k]
         held = set(ckpt) | grads | {f"g{r}"}
+        top = r  # the backward continues from here after the recomputation
         if k == last:
             seg_saved = set(kept)
         else:
+            # layers at the end that save nothing: their backward reads no saved tensor, so the
+            # engine runs it before anything triggers the recomputation
+            while top >= l and not saves_anything(top):
+                peak = max(peak, total(held | grads | {f"g{top}"}) + b[top])
+                grads.add(f"gp{top}")
+                held.discard(f"g{top}")
+                if top > l:
+                    held.add(f"g{top - 1}")
+                top -= 1
             # recompute layer by layer. Non-reentrant checkpoint stops at the last *pack
             # event* of the segment: a layer packs its input before it computes and its
             # output/extra tensors after. If the last event is after a layer's compute, that
@@ -110,12 +122,13 @@ def _full(c, checkpoints):
                     break
                 if sin[i] and i > l:
                     seg_saved.add(f"x{i - 1}")
-                live = held | seg_saved | ({f"x{i - 1}"} if i > l else set())
+                # the backward of layer top started: its gradients are r{top}, not g{top}
+                live = (held - {f"g{top}"}) | grads | {f"r{top}"} | seg_saved | ({f"x{i - 1}"} if i > l else set())
                 peak = max(peak, total(live) + (fs[i] if (i, 1) == stop else f[i]))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
                 if (i, 1) == stop:
                     break
-        for i in range(r, l - 1, -1):
+        for i in range(top, l - 1, -1):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"}
             peak = max(peak, total(live) + b[i])
             # after layer i's backward: its saved set is released unless an earlier layer
