@@ -82,7 +82,7 @@ def _forward(l: int, r: int, last: bool, K, live_in: int) -> list[tuple[str, int
 
 def _recompute(l: int, r: int, K) -> list[tuple[str, int, int]]:
     """Recomputation events of the checkpointed segment [l, r] (none if it saves nothing)."""
-    P, qf, f, runs, saves, qs, fs, rb = K[0], K[3], K[5], K[8], K[9], K[11], K[12], K[15]
+    P, qf, f, runs, qs, fs, rb = K[0], K[3], K[5], K[8], K[11], K[12], K[15]
     e = _trigger(l, r, K)
     partial = e >= l and bool(runs[e])  # e runs only up to its last saved tensor
     if e >= l and not runs[e]:
