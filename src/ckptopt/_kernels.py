@@ -1,7 +1,7 @@
 """Compiled (numba, nopython) hot loops shared by the simulator and the solvers.
 
 Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep,
-sout, rb)`` built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
+sout, rb, ext)`` built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
 (False for the additive form, where only the backward term exists).
 
 Memory-model note (DESIGN.md section 3), relative to the static bytes and to
@@ -64,7 +64,7 @@ def segment_peak(l, r, last, full, K, live_in):
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
     are live while its first layer runs forward.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext = K
     Pl = P[l]
     best = NEG
     phase = -1
@@ -87,12 +87,18 @@ def segment_peak(l, r, last, full, K, live_in):
                 v = fw[i]
                 if v > best:
                     best, phase, layer = v, 0, i
-            e = l - 1
             for i in range(r, l - 1, -1):
                 if saves[i] != 0:
-                    e = i
+                    trigger = i  # layers after it save nothing: their backward runs before the recomputation
                     break
-            trigger = e  # layers after it save nothing: their backward runs before the recomputation
+            else:
+                trigger = l - 1
+            e = l - 1  # the last layer the recomputation reaches: it re-packs dead tensors too
+            if trigger >= l:
+                for i in range(r, trigger - 1, -1):
+                    if ext[i] != 0:
+                        e = i
+                        break
             partial = e >= l and runs[e] != 0  # layer e runs only up to its last saved tensor
             if e >= l and runs[e] == 0:
                 e -= 1  # e only saves its input: the layer before it runs to its end
@@ -216,7 +222,7 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
       sums ``Cpre`` of the per-layer compute.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext = K
     Pl = P[l]
     bwd = NEG
     bwd_j = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
@@ -246,7 +252,7 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
                 v = P[r] - Pl + qf[r]
                 if v > pm:
                     pm = v
-            if saves[r] != 0:
+            if ext[r] != 0 and seg_saves:  # a recomputation happens and reaches layer r
                 if runs[r] != 0:
                     # the recomputation ends inside layer r, at its last saved tensor
                     v = fs[l] if r == l else P[r] - Pl + qs[r]
@@ -658,7 +664,8 @@ def warmup() -> None:
     n = 3
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one)
+    K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
+         one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     for full in (True, False):
@@ -678,7 +685,7 @@ def warmup() -> None:
 @njit(cache=True)
 def plan_recompute(starts, stored, n, full, K, Cpre):
     """Compute a plan adds by re-running its checkpointed segments in backward. O(n)."""
-    runs, saves = K[8], K[9]
+    runs, saves, ext = K[8], K[9], K[16]
     total = 0
     m = starts.shape[0]
     for k in range(m - 1):
@@ -689,11 +696,17 @@ def plan_recompute(starts, stored, n, full, K, Cpre):
         if not full:
             total += Cpre[r + 1] - Cpre[l]
             continue
-        e = l - 1
-        for i in range(r, l - 1, -1):
+        seg_saves = False
+        for i in range(l, r + 1):
             if saves[i] != 0:
-                e = i
+                seg_saves = True
                 break
+        e = l - 1
+        if seg_saves:  # recomputed up to the last layer that packs anything, a dead tensor too
+            for i in range(r, l - 1, -1):
+                if ext[i] != 0:
+                    e = i
+                    break
         if e >= l and runs[e] == 0:
             e -= 1
         if e >= l:

@@ -756,6 +756,7 @@ class LayerMeasurement:
     input_bytes: int = 0
     fs: int | None = None
     rg: int | None = None
+    dead: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -928,6 +929,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             mean, a concatenation, a product with a constant) run their
             backward before that, and a recomputation that this layer's
             backward triggers starts there (``a`` when it saves nothing).
+        ``dead``
+            the forward packed tensors that autograd no longer keeps when it
+            ends (a dead branch's): a recomputation still re-packs them, so
+            one that reaches this layer runs it up to ``fs``.
         ``b``
             backward peak minus the bytes live when backward starts minus
             the output gradient. Live at the start are ``P + Buf`` and the
@@ -1023,6 +1028,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                     y = module(x)
                 forward_peak = tracker.peak_bytes
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
+                dead_packs = len(kept) < len(packs)
                 saved = {key: nbytes for key, nbytes, _ in kept if key is not None}
                 # forward peak up to the last pack, kept or not: where a recomputation of this
                 # layer, the last of its segment, stops. Non-reentrant checkpoint counts every
@@ -1074,6 +1080,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         fs=int(last_pack - start) if last_pack is not None else 0,
         b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
         rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
+        dead=bool(dead_packs),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
     )

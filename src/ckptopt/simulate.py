@@ -171,10 +171,10 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
 def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int] = ()) -> list[int]:
     """Layers whose forward runs again during backward under this plan.
 
-    Every segment but the last is recomputed from its first layer up to the
-    last layer that saves a tensor it produces (its output or extra tensors);
-    a final layer that saves only its input is not re-run (DESIGN.md section
-    3). For the additive form, where that is unknown, the whole segment.
+    Every segment but the last that saves a tensor is recomputed from its
+    first layer up to the last layer that saves a tensor it produces (its
+    output or extra tensors) or packs one autograd drops (``dead``); a final
+    layer that saves only its input is not re-run (DESIGN.md section 3). For the additive form, where that is unknown, the whole segment.
     """
     plan = normalize_plan(costs, checkpoints)
     kept = set(normalize_stored(plan, stored))
@@ -186,13 +186,14 @@ def recomputed_layers(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         for l, r in wrapped:
             out.extend(range(l, r + 1))
         return out
-    sin, sout, m = costs.sin, costs.sout, costs.m
+    sin, sout, m, dead = costs.sin, costs.sout, costs.m, costs.dead
     for l, r in wrapped:
         e = l - 1
-        for i in range(r, l - 1, -1):
-            if sin[i] or sout[i] or m[i] > 0:
-                e = i
-                break
+        if any(sin[i] or sout[i] or m[i] > 0 for i in range(l, r + 1)):  # else nothing is recomputed
+            for i in range(r, l - 1, -1):
+                if sin[i] or sout[i] or m[i] > 0 or dead[i]:  # dead tensors are re-packed too
+                    e = i
+                    break
         if e >= l and not (sout[e] or m[e] > 0 or costs.fs[e] > 0):
             e -= 1
         out.extend(range(l, e + 1))

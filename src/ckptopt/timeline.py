@@ -83,7 +83,9 @@ def _forward(l: int, r: int, last: bool, K, live_in: int) -> list[tuple[str, int
 def _recompute(l: int, r: int, K) -> list[tuple[str, int, int]]:
     """Recomputation events of the checkpointed segment [l, r] (none if it saves nothing)."""
     P, qf, f, runs, qs, fs, rb = K[0], K[3], K[5], K[8], K[11], K[12], K[15]
-    e = _trigger(l, r, K)
+    j = _trigger(l, r, K)
+    ext = K[16]  # the recomputation (if any: j >= l) reaches the last layer that packs, dead tensors too
+    e = next((i for i in range(r, j - 1, -1) if ext[i]), l - 1) if j >= l else l - 1
     partial = e >= l and bool(runs[e])  # e runs only up to its last saved tensor
     if e >= l and not runs[e]:
         e -= 1  # e saves only its input: the layer before it runs to its end

@@ -526,6 +526,7 @@ def trace(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
+        dead=[l.costs.dead for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],
     )

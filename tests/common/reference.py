@@ -43,6 +43,7 @@ def _full(c, checkpoints):
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
     rg = [int(x) for x in c.rg]
+    dead = [bool(x) for x in c.dead]
     sin = [bool(x) for x in c.sin]
     sout = [bool(x) for x in c.sout]
     size = {}
@@ -113,7 +114,10 @@ def _full(c, checkpoints):
                     events.append((i, 1 if fs[i] > 0 else 0))
                 if sout[i] or m[i] > 0:
                     events.append((i, 1))
-            stop = max(events) if events else None
+            # tensors packed and then dropped (a dead branch) are re-packed as well, if anything
+            # triggers the recomputation at all (a tensor the segment keeps)
+            dropped = [(i, 1 if fs[i] > 0 else 0) for i in range(l, r + 1) if dead[i]]
+            stop = max(events + dropped) if events else None
             seg_saved = set()
             for i in range(l, r + 1):
                 if stop is None or (i, 0) == stop or i > stop[0]:

@@ -19,10 +19,11 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     f = draw(ints)
     fs = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     rg = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
+    dead = draw(st.one_of(st.none(), flags))
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg,
+        c=draw(compute(n)), rg=rg, dead=dead,
     )
 
 
@@ -57,4 +58,5 @@ def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
         a=r(), p=r() * rng.integers(0, 2, n), sin=rng.integers(0, 2, n), sout=rng.integers(0, 2, n),
         m=r() * rng.integers(0, 2, n), f=r(), b=r(), static=int(rng.integers(0, scale)),
         c=rng.integers(0, 1000, n), rg=r() if rng.integers(0, 2) else None,
+        dead=rng.integers(0, 2, n) * rng.integers(0, 2, n) if rng.integers(0, 2) else None,
     )
