@@ -857,7 +857,8 @@ def _unpack(box: _Packed) -> torch.Tensor:
 
 
 def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
-                  grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False) -> LayerMeasurement:
+                  grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
+                  leaf_input: bool = False) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -879,6 +880,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         Whether the input requires grad, as it does inside a model. Pass
         False for a first layer fed with data: then no input gradient is
         computed (it would otherwise be counted in ``b``).
+    leaf_input : bool, default False
+        The input is a leaf that requires grad (a model input with
+        ``requires_grad=True``): its gradient is accumulated into ``.grad``
+        as in the model (out of place where the layer uses it twice), not
+        dropped on arrival.
     keep_input : bool, default False
         Keep the input alive through the backward, as it is inside a model
         whose previous layer saves its output (a ResNet block's input is the
@@ -986,7 +992,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         casts = _autocast_weight_casts(module, example_input)
         cast_bytes, cast_ptrs = _storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         holder = [example_input.detach().clone()]
-        if input_requires_grad:
+        if input_requires_grad and leaf_input:
+            x = holder.pop().requires_grad_(True)
+        elif input_requires_grad:
             anchor = torch.empty(0, device=dev, requires_grad=True)
             x = _FreshInput.apply(anchor, holder)
         else:  # e.g. the first layer of a model, fed with data: no input gradient is computed

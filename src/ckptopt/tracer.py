@@ -497,7 +497,7 @@ def trace(
                 # an input the previous layer saves stays alive through this layer's backward
                 keep = bool(layers and layers[-1].costs.sout)
                 m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad), grads_exist=existing,
-                                  keep_input=keep)
+                                  keep_input=keep, leaf_input=bool(x.requires_grad and x.is_leaf))
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
