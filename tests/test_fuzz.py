@@ -432,3 +432,28 @@ def test_regression_a_leaf_input_used_twice_sums_its_gradient_out_of_place():
             opt.remove_hooks()
         assert gap == LOSS_BYTES, (cps, gap)
     check_random_model(REGRESSION_LEAF_INPUT_USED_TWICE)
+
+
+# Sixth long run, 235th model (OPEN): a layer whose input is used twice (a dropout of it, and a
+# product with a later value) and that ends with a concatenation; plan (2, 3), the optimum,
+# measured 7,404 B against 6,884 B predicted (7.6% over). The peak is in the layer's backward
+# after its recomputation (a ReLU's threshold_backward), 512 B (one input-sized tensor) above
+# what the layer measured in isolation holds at the same point; cause not found yet.
+REGRESSION_INPUT_USED_TWICE_AFTER_RECOMPUTE = Spec(family='conv', dtype='float32', batch=2, shape=(5, 8, 8),
+    nodes=(Node(op='conv3', inputs=(0,), width=1, inplace='relu_'),
+    Node(op='dropout', inputs=(1,), width=0, inplace=''),
+    Node(op='dropout', inputs=(2,), width=0, inplace=''),
+    Node(op='relu_module_plain', inputs=(3,), width=0, inplace=''),
+    Node(op='gn', inputs=(4,), width=0, inplace=''),
+    Node(op='relu', inputs=(5,), width=0, inplace=''),
+    Node(op='mul', inputs=(6, 2), width=0, inplace=''),
+    Node(op='cat', inputs=(7, 3), width=0, inplace=''),
+    Node(op='maxpool', inputs=(8,), width=0, inplace=''),
+    Node(op='dropout', inputs=(9,), width=0, inplace=''),
+    Node(op='dropout', inputs=(10,), width=0, inplace='')),
+    classes=1, input_requires_grad=True, dropout_p=0.3)
+
+
+@pytest.mark.xfail(strict=True, reason="open: 7.6% over after the recomputation of a layer using its input twice")
+def test_regression_input_used_twice_after_recomputation():
+    check_random_model(REGRESSION_INPUT_USED_TWICE_AFTER_RECOMPUTE)
