@@ -1,7 +1,7 @@
 """Compiled (numba, nopython) hot loops shared by the simulator and the solvers.
 
 Every kernel reads the tuple ``K = (P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep,
-sout, rb, ext)`` built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
+sout, rb, ext, qbk)`` built by :attr:`ckptopt.ChainCosts.kernel_arrays` (all int64), plus ``full``
 (False for the additive form, where only the backward term exists).
 
 Memory-model note (DESIGN.md section 3), relative to the static bytes and to
@@ -64,7 +64,7 @@ def segment_peak(l, r, last, full, K, live_in):
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
     are live while its first layer runs forward.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk = K
     Pl = P[l]
     best = NEG
     phase = -1
@@ -113,7 +113,10 @@ def segment_peak(l, r, last, full, K, live_in):
                     if v > best:
                         best, phase, layer = v, 1, i
     for i in range(r, l - 1, -1):
-        v = P[i] - Pl + qb[i] if i <= trigger else qb[i]
+        q = qb[i]
+        if i == l and l > 0 and not last:  # its input stays held by the checkpoint
+            q = qbk[i]
+        v = P[i] - Pl + q if i <= trigger else q
         if v > best:
             best, phase, layer = v, 2, i
     return best, phase, layer
@@ -222,9 +225,10 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
       sums ``Cpre`` of the per-layer compute.
     """
-    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext = K
+    P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk = K
     Pl = P[l]
     bwd = NEG
+    bwdc = NEG  # the same for the segment checkpointed: its first layer's input stays held
     bwd_j = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
     tail = NEG  # ... and after it (without: they run before the recomputation)
     fwdw = f[l]  # wrapped forward, running max
@@ -236,14 +240,21 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     e = l - 1  # last layer the recomputation runs
     for r in range(l, n):
         v = P[r] - Pl + qb[r]
+        vc = v
+        if r == l and l > 0:
+            vc = qbk[l]  # the checkpoint holds the input through the first layer's backward
         if v > bwd:
             bwd = v
+        if vc > bwdc:
+            bwdc = vc
         if saves[r] != 0:
             seg_saves = True
-            bwd_j = bwd
+            bwd_j = bwdc
             tail = NEG
-        elif qb[r] > tail:
-            tail = qb[r]
+        else:
+            qt = qbk[l] if r == l and l > 0 else qb[r]
+            if qt > tail:
+                tail = qt
         if full:
             if r > l:
                 if fw[r] > fwdw:
@@ -665,7 +676,7 @@ def warmup() -> None:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = (np.arange(n + 1, dtype=np.int64), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-         one)
+         one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     for full in (True, False):

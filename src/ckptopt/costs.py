@@ -22,6 +22,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            reads a saved tensor (its output gradient plus what ops that save
            nothing, at the end of the layer, already produced): a recomputation
            this backward triggers starts there. Default: ``a[i]``
+``bk[i]``  (optional) ``b[i]`` when the layer's input is held through its backward by
+           the checkpoint of a segment it starts: a layer that saves its input
+           frees it, measured alone, once its backward has read it. Default: ``b[i]``
 ``dead[i]`` (optional flag) the forward packs tensors autograd does not keep (a dead
            branch): a recomputation re-packs them too, so one that reaches
            layer ``i`` runs it (up to ``fs``). Default: False
@@ -194,6 +197,7 @@ class ChainCosts:
         c: Sequence[int] | None = None,
         rg: Sequence[int] | None = None,
         dead: Sequence[bool] | None = None,
+        bk: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -202,6 +206,8 @@ class ChainCosts:
             values["rg"] = rg
         if dead is not None:
             values["dead"] = dead
+        if bk is not None:
+            values["bk"] = bk
         self._init("full", values, static, names, c)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
@@ -209,6 +215,8 @@ class ChainCosts:
             self._fields["fs"] = d
         if rg is None:  # default: only the output gradient when the backward first reads
             self._fields["rg"] = self._fields["a"]
+        if bk is None:
+            self._fields["bk"] = self._fields["b"]
         if dead is None:
             z = np.zeros(self.n, dtype=np.int64)
             z.setflags(write=False)
@@ -314,7 +322,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -322,7 +330,8 @@ class ChainCosts:
         compute = data.get("compute")
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
-                       rg=layers.get("rg"), dead=layers.get("dead"), c=compute)
+                       rg=layers.get("rg"), dead=layers.get("dead"),
+                       bk=layers.get("bk"), c=compute)
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute)
 
     @classmethod
@@ -423,7 +432,7 @@ class ChainCosts:
     def kernel_arrays(self) -> tuple[np.ndarray, ...]:
         """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
 
-        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext)``: ``P``
+        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk)``: ``P``
         (length n+1) the prefix sums of what each layer leaves saved, ``qb`` the
         per-layer backward term, ``ck`` the bytes a segment starting at a layer
         holds as its checkpoint (``ck[0] = 0``), for the full form the forward
@@ -434,8 +443,10 @@ class ChainCosts:
         trailing layers that save nothing runs first, so it is ``G[j] + rg[j]``
         for ``j`` the last layer up to ``r`` that saves a tensor, and ``ext[i]``
         whether a recomputation that reaches layer ``i`` must run it: it saves a
-        tensor or packs one autograd drops (``dead``). Everything else is zero
-        for the additive form (``ext`` one).
+        tensor or packs one autograd drops (``dead``), and ``qbk`` the backward
+        term ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input
+        stays held). Everything else is zero for the additive form (``ext``
+        one, ``qbk = qb``).
         """
         n = self.n
         z = np.zeros(n, dtype=np.int64)
@@ -445,7 +456,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z, z, one)
+            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z, z, one, q.copy())
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
@@ -479,7 +490,8 @@ class ChainCosts:
                 rb[r] = G[j] + rg[j]
         return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),
                 keep.astype(np.int64), sout.astype(np.int64), rb.astype(np.int64),
-                ((saves > 0) | (self._fields["dead"] > 0)).astype(np.int64))
+                ((saves > 0) | (self._fields["dead"] > 0)).astype(np.int64),
+                (qb - b + self._fields["bk"]).astype(np.int64))
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.
@@ -493,7 +505,7 @@ class ChainCosts:
         they depend on where the segment ends. The simulator scores the
         resulting plan with the full model.
         """
-        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext = self.kernel_arrays
+        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk = self.kernel_arrays
         h = np.diff(P)
         if self.kind == "additive":
             return ck, h, qb

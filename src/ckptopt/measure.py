@@ -757,6 +757,7 @@ class LayerMeasurement:
     fs: int | None = None
     rg: int | None = None
     dead: bool = False
+    bk: int | None = None  # b with the input held through the backward (set by the tracer)
 
     @property
     def saved_bytes(self) -> int:

@@ -108,13 +108,14 @@ def _trigger(l: int, r: int, K) -> int:
     return next((i for i in range(r, l - 1, -1) if saves[i]), l - 1)
 
 
-def _backward(l: int, r: int, K, after: int | None = None) -> list[tuple[str, int, int]]:
+def _backward(l: int, r: int, K, after: int | None = None, held_input: bool = False) -> list[tuple[str, int, int]]:
     """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
-    segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation)."""
-    P, qb = K[0], K[1]
+    segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation);
+    ``held_input``: something else holds layer ``l``'s input through its backward (``qbk``)."""
+    P, qb, qbk = K[0], K[1], K[17]
     after = r if after is None else after
-    return [("backward", i, int(P[i] - P[l] + qb[i]) if i <= after else int(qb[i]))
-            for i in range(r, l - 1, -1)]
+    q = [int(qbk[i]) if held_input and i == l else int(qb[i]) for i in range(len(qb))] if r >= l else []
+    return [("backward", i, int(P[i] - P[l]) + q[i] if i <= after else q[i]) for i in range(r, l - 1, -1)]
 
 
 def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[TimelineEvent]:
@@ -179,7 +180,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[Tim
         base = costs.static + held[k]
         if full and k < m - 1:  # trailing layers that save nothing, the recomputation, the rest
             j = _trigger(l, r, K)
-            trail = _backward(l, r, K, after=j)
+            trail = _backward(l, r, K, after=j, held_input=l > 0)
             events = trail[:r - j] + _recompute(l, r, K) + trail[r - j:]
         else:
             events = _backward(l, r, K)

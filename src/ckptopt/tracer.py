@@ -33,6 +33,8 @@ traces in a few MB.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -496,8 +498,13 @@ def trace(
             try:
                 # an input the previous layer saves stays alive through this layer's backward
                 keep = bool(layers and layers[-1].costs.sout)
-                m = measure_layer(module, x, input_requires_grad=bool(x.requires_grad), grads_exist=existing,
-                                  keep_input=keep, leaf_input=bool(x.requires_grad and x.is_leaf))
+                kw = dict(input_requires_grad=bool(x.requires_grad), grads_exist=existing,
+                          leaf_input=bool(x.requires_grad and x.is_leaf))
+                m = measure_layer(module, x, keep_input=keep, **kw)
+                if m.sin and not keep:
+                    # the input is held through this layer's backward when something else holds
+                    # it (a checkpoint, the model input): measured again with the input kept
+                    m = dataclasses.replace(m, bk=measure_layer(module, x, keep_input=True, **kw).b)
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -526,6 +533,7 @@ def trace(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
+        bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
         dead=[l.costs.dead for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],

@@ -40,6 +40,7 @@ def _full(c, checkpoints):
     p = [int(x) for x in c.p]
     f = [int(x) for x in c.f]
     b = [int(x) for x in c.b]
+    bk = [int(x) for x in c.bk]  # b with the input held through the backward
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
     rg = [int(x) for x in c.rg]
@@ -97,7 +98,7 @@ def _full(c, checkpoints):
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
             while top >= l and not saves_anything(top):
-                peak = max(peak, total(held | grads | {f"g{top}"}) + b[top])
+                peak = max(peak, total(held | grads | {f"g{top}"}) + (bk[top] if top == l and l > 0 else b[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -134,7 +135,9 @@ def _full(c, checkpoints):
                     break
         for i in range(top, l - 1, -1):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"}
-            peak = max(peak, total(live) + b[i])
+            # the first layer's input stays held by the checkpoint
+            held_in = i == l and k < last and l > 0
+            peak = max(peak, total(live) + (bk[i] if held_in else b[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

@@ -20,10 +20,11 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     fs = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     rg = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     dead = draw(st.one_of(st.none(), flags))
+    bk = draw(st.one_of(st.none(), ints))
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg, dead=dead,
+        c=draw(compute(n)), rg=rg, dead=dead, bk=bk,
     )
 
 
