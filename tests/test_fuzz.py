@@ -144,6 +144,26 @@ def check_random_model(spec: Spec) -> None:
     _ran["models"] += 1
 
 
+def _gaps(model, x, tm, plans) -> dict:
+    """Measured minus predicted peak of a real training step, for each plan (segment starts)."""
+    from ckptopt import Plan
+
+    out = {}
+    for cps in plans:
+        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
+        try:
+            out[cps] = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
+        finally:
+            opt.remove_hooks()
+    return out
+
+
+def _assert_exact(model, x, tm, plans) -> None:
+    """Every plan measures its prediction plus the scalar loss and its gradient (8 bytes)."""
+    for cps, gap in _gaps(model, x, tm, plans).items():
+        assert gap == LOSS_BYTES, (cps, gap)
+
+
 _SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
 
@@ -233,20 +253,13 @@ REGRESSION_FAKE_OVERCOUNT = Spec(
 
 
 def test_regression_tiny_batchnorm_product_model_is_exact_on_a_real_step():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_FAKE_OVERCOUNT)
     tm = trace(model, (x,))
-    for cps in [(), (1,), (2,), (1, 2)]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            # +8 bytes: the scalar loss and its gradient; +8 more while the BatchNorm is recomputed
-            # (the int64 copy of num_batches_tracked its hook keeps; tests/test_dag_exactness.py);
-            # measured here: +8, +16, +4, +16 for the four plans
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-            assert abs(gap - 8) <= 8, (cps, gap)
-        finally:
-            opt.remove_hooks()
+    # +8 bytes: the scalar loss and its gradient; +8 more while the BatchNorm is recomputed
+    # (the int64 copy of num_batches_tracked its hook keeps; tests/test_dag_exactness.py);
+    # measured here: +8, +16, +4, +16 for the four plans
+    for cps, gap in _gaps(model, x, tm, [(), (1,), (2,), (1, 2)]).items():
+        assert abs(gap - 8) <= 8, (cps, gap)
     check_random_model(REGRESSION_FAKE_OVERCOUNT)
 
 
@@ -323,19 +336,10 @@ REGRESSION_DEAD_BRANCH_RECOMPUTED = Spec(family='conv',
 
 
 def test_regression_dead_branch_recomputed():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_DEAD_BRANCH_RECOMPUTED)
     model.train()
     tm = trace(model, (x,))
-    for cps in [(), (1,), (2,), (1, 3)]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            # exact but for the scalar loss and its gradient (8 bytes)
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-        finally:
-            opt.remove_hooks()
-        assert gap == LOSS_BYTES, (cps, gap)
+    _assert_exact(model, x, tm, [(), (1,), (2,), (1, 3)])
     check_random_model(REGRESSION_DEAD_BRANCH_RECOMPUTED)
 
 
@@ -361,20 +365,12 @@ REGRESSION_TRAILING_NO_SAVE = Spec(family='conv', dtype='float32', batch=2, shap
 
 
 def test_regression_trailing_layers_that_save_nothing_run_backward_before_recomputation():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_TRAILING_NO_SAVE)
     model.train()
     tm = trace(model, (x,))
     assert not tm.costs.sin[5] and not tm.costs.sout[5] and tm.costs.m[5] == 0  # the mean saves nothing
     assert tm.costs.rg[4] > tm.costs.a[4]  # gradients produced before layer 4's first read
-    for cps in [(), (5,), (6,), (4, 6), tuple(range(1, tm.n))]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-        finally:
-            opt.remove_hooks()
-        assert gap == LOSS_BYTES, (cps, gap)
+    _assert_exact(model, x, tm, [(), (5,), (6,), (4, 6), tuple(range(1, tm.n))])
     check_random_model(REGRESSION_TRAILING_NO_SAVE)
 
 
@@ -392,19 +388,11 @@ REGRESSION_DEAD_ONLY_LAYER = Spec(family='mlp', dtype='float32', batch=2, shape=
 
 
 def test_regression_a_layer_of_dead_ops_is_recomputed_when_the_recomputation_reaches_it():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_DEAD_ONLY_LAYER)
     model.train()
     tm = trace(model, (x,))
     assert tm.costs.dead[1] and not (tm.costs.sin[1] or tm.costs.sout[1] or tm.costs.m[1])
-    for cps in [(2,), (2, 4), (2, 3, 4)]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-        finally:
-            opt.remove_hooks()
-        assert gap == LOSS_BYTES, (cps, gap)
+    _assert_exact(model, x, tm, [(2,), (2, 4), (2, 3, 4)])
     check_random_model(REGRESSION_DEAD_ONLY_LAYER)
 
 
@@ -418,19 +406,11 @@ REGRESSION_LEAF_INPUT_USED_TWICE = Spec(family='mlp', dtype='float32', batch=2, 
 
 
 def test_regression_a_leaf_input_used_twice_sums_its_gradient_out_of_place():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_LEAF_INPUT_USED_TWICE)
     assert x.requires_grad and x.is_leaf
     model.train()
     tm = trace(model, (x,))
-    for cps in [(), (1,), (1, 2)]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-        finally:
-            opt.remove_hooks()
-        assert gap == LOSS_BYTES, (cps, gap)
+    _assert_exact(model, x, tm, [(), (1,), (1, 2)])
     check_random_model(REGRESSION_LEAF_INPUT_USED_TWICE)
 
 
@@ -456,17 +436,9 @@ REGRESSION_INPUT_USED_TWICE_AFTER_RECOMPUTE = Spec(family='conv', dtype='float32
 
 
 def test_regression_input_used_twice_after_recomputation():
-    from ckptopt import Plan
-
     model, x = build(REGRESSION_INPUT_USED_TWICE_AFTER_RECOMPUTE)
     model.train()
     tm = trace(model, (x,))
     assert tm.costs.sin[2] and tm.costs.bk[2] > tm.costs.b[2]
-    for cps in [(), (2, 3), (1, 2, 3), (2,)]:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
-        try:
-            gap = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
-        finally:
-            opt.remove_hooks()
-        assert gap == LOSS_BYTES, (cps, gap)
+    _assert_exact(model, x, tm, [(), (2, 3), (1, 2, 3), (2,)])
     check_random_model(REGRESSION_INPUT_USED_TWICE_AFTER_RECOMPUTE)

@@ -481,13 +481,8 @@ class ChainCosts:
         # rb[r]: the recomputation of a segment ending at r starts when the backward of its last
         # saving layer j first reads a saved tensor (the trailing layers' backward has run)
         rg = self._fields["rg"]
-        rb = G + a
-        j = -1
-        for r in range(n):
-            if saves[r]:
-                j = r
-            if j >= 0:
-                rb[r] = G[j] + rg[j]
+        j = np.maximum.accumulate(np.where(saves > 0, np.arange(n), -1))  # last saving layer <= r
+        rb = np.where(j >= 0, G[j] + rg[j], G + a)
         return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),
                 keep.astype(np.int64), sout.astype(np.int64), rb.astype(np.int64),
                 ((saves > 0) | (self._fields["dead"] > 0)).astype(np.int64),

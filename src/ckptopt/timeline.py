@@ -114,8 +114,11 @@ def _backward(l: int, r: int, K, after: int | None = None, held_input: bool = Fa
     ``held_input``: something else holds layer ``l``'s input through its backward (``qbk``)."""
     P, qb, qbk = K[0], K[1], K[17]
     after = r if after is None else after
-    q = [int(qbk[i]) if held_input and i == l else int(qb[i]) for i in range(len(qb))] if r >= l else []
-    return [("backward", i, int(P[i] - P[l]) + q[i] if i <= after else q[i]) for i in range(r, l - 1, -1)]
+    out = []
+    for i in range(r, l - 1, -1):
+        q = int(qbk[i] if held_input and i == l else qb[i])
+        out.append(("backward", i, int(P[i] - P[l]) + q if i <= after else q))
+    return out
 
 
 def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int]) -> list[TimelineEvent]:
