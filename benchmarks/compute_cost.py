@@ -39,7 +39,7 @@ import torch.fx as fx  # noqa: E402
 
 from _common import run_metadata  # noqa: E402
 from ckptopt import apply_plan, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.simulate import recomputed_layers  # noqa: E402
+from ckptopt.simulator import recomputed_layers  # noqa: E402
 
 MODELS = {
     "resnet18": ("resnet18", dict(batch_size=8, input_size=64)),

@@ -2,7 +2,7 @@
 
 For each model: the best plan over the tracer's single-tensor cuts (``solve(costs, "dp2")``)
 and the best node-level plan (cuts anywhere in the topological order, several tensors
-crossing), both scored by the node-level simulator (ckptopt.dag) and both *measured* (the
+crossing), both scored by the node-level simulator (ckptopt.experimental.dag) and both *measured* (the
 rewritten model run on fake tensors under the exact storage tracker). On the small DAGs the
 node-level optimum is brute force over every plan; on zoo models, where 2**c plans are too
 many, it is a local search started from the chain optimum (an upper bound on the optimum).
@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_metadata  # noqa: E402
 
 from ckptopt import solve, zoo  # noqa: E402
-from ckptopt._dag_measure import solve_nodes, trace_dag  # noqa: E402
-from ckptopt.dag import NodePlan, brute_force_dag, local_search_dag, simulate_dag  # noqa: E402
+from ckptopt.experimental.dag import NodePlan, brute_force_dag, local_search_dag, simulate_dag  # noqa: E402
+from ckptopt.experimental.nodes import apply_node_plan, solve_nodes, trace_dag  # noqa: E402
 from ckptopt.measure import measure_plans_fake  # noqa: E402
 from tests.test_dag_exactness import CASES  # noqa: E402
 
@@ -43,10 +43,11 @@ ZOO = {
 
 def fake_peak(model, inputs, td, cuts) -> int:
     """Measured peak of node plan ``cuts``: the rewritten model on fake tensors."""
-    return measure_plans_fake(model, inputs, td.traced, [NodePlan(tuple(cuts), td.costs.n)])[0]
+    return measure_plans_fake(model, inputs, td.traced, [NodePlan(tuple(cuts), td.costs.n)],
+                              apply=apply_node_plan)[0]
 
 
-from ckptopt._dag_measure import chain_plan_as_node_cuts as chain_cuts  # noqa: E402
+from ckptopt.experimental.nodes import chain_plan_as_node_cuts as chain_cuts  # noqa: E402
 
 
 def one_model(name, model, inputs, brute: bool) -> dict:

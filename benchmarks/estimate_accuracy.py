@@ -4,7 +4,7 @@ For each zoo model (the CPU-friendly sizes of ``prediction_accuracy.py``) and
 each optimizer (SGD, SGD with momentum 0.9, Adam; PyTorch's default for-loop
 step on CPU), ``ckptopt.estimate`` predicts the peak of one steady-state
 training step with no checkpointing and with the optimal plan, and
-``ckptopt.planning.measure_training_step`` measures it for real (exact CPU
+``ckptopt.measure.measure_training_step`` measures it for real (exact CPU
 storage tracker; optimizer state allocated beforehand, as from the second
 iteration on). Target: |error| <= 5%. Writes
 ``benchmarks/results/estimate_accuracy.json`` and prints a Markdown table.
@@ -24,7 +24,8 @@ from pathlib import Path
 from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from prediction_accuracy import CONFIGS  # noqa: E402
 from ckptopt import zoo
-from ckptopt.planning import estimate, measure_training_step
+from ckptopt.measure import measure_training_step
+from ckptopt.planning import estimate
 
 OUT = Path(__file__).resolve().parent / "results"
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam")

@@ -1,7 +1,7 @@
 """Regenerate src/ckptopt/data/conv_chain.json, the example cost model the README uses.
 
 A VGG-like conv chain (batch 8, 64x64, float32) whose per-layer figures follow the
-measured rules of DESIGN.md section 3: Conv and BatchNorm save their input,
+measured rules of docs/design.md §3: Conv and BatchNorm save their input,
 BatchNorm also 2*C*4 bytes of statistics, ReLU saves its output, MaxPool its input
 and int64 indices. Transients: forward = the output (plus indices), backward = the
 input gradient plus the parameter gradient. Run: python benchmarks/make_example_costs.py

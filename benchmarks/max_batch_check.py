@@ -2,7 +2,7 @@
 
 Runs ``max_batch`` (default: resnet50, zoo input 64x64, 2 GiB, Adam with the
 for-loop step PyTorch uses on CPU), then measures real training steps with
-the exact CPU storage tracker (``ckptopt.planning.measure_training_step``,
+the exact CPU storage tracker (``ckptopt.measure.measure_training_step``,
 optimizer step included) at batch b and b+1, with no checkpointing and with
 the optimal plan. Writes ``benchmarks/results/max_batch_check.json``.
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from ckptopt import zoo
-from ckptopt.planning import estimate, max_batch, measure_training_step, with_batch
+from ckptopt.measure import measure_training_step
+from ckptopt.planning import estimate, max_batch, with_batch
 from ckptopt.units import format_bytes, parse_bytes
 
 OUT = Path(__file__).resolve().parent / "results"

@@ -8,7 +8,7 @@ For each model (CPU-friendly sizes, below), with no checkpointing:
   real tensors), and the relative error ``(predicted - measured) / measured``;
 * **per layer**: every traced layer (measured by the tracer on FAKE tensors)
   is rebuilt from the real ``tm.gm`` and measured again in isolation on REAL
-  tensors with ``ckptopt.measure.measure_layer``, its input being the real
+  tensors with ``ckptopt.tracer.measure_layer``, its input being the real
   value of the layer's input node (an ``fx.Interpreter`` run of ``tm.gm`` on the
   example inputs records every node's output). Reported: the largest absolute
   and relative differences of ``a, f, b, m`` (and which layer), whether
@@ -38,8 +38,9 @@ import torch.fx as fx
 
 from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
 from ckptopt import simulate, zoo
-from ckptopt.measure import measure_layer, measure_peak
-from ckptopt.tracer import _subgraph_module, _WithLoss, trace
+from ckptopt.measure import measure_peak
+from ckptopt.tracer import measure_layer, trace
+from ckptopt.tracer.cuts import WithLoss, subgraph_module
 
 try:
     from tqdm import tqdm
@@ -113,13 +114,13 @@ def real_layer_measurements(tm, inputs) -> list:
     for j, layer in enumerate(layers):
         x = values[by_name[layer.input_node]]
         if layer.nodes == ("<loss>",):
-            module = _WithLoss(None, tm.loss_fn)
+            module = WithLoss(None, tm.loss_fn)
         else:
             last = j == len(model_layers) - 1
             output = model_output if last else by_name[layers[j + 1].input_node]
             members = [by_name[name] for name in layer.nodes]
-            body = _subgraph_module(gm, members, by_name[layer.input_node], output, values)
-            module = _WithLoss(body, tm.loss_fn) if (last and not single_output) else body
+            body = subgraph_module(gm, members, by_name[layer.input_node], output, values)
+            module = WithLoss(body, tm.loss_fn) if (last and not single_output) else body
         gc.collect()
         kw = dict(input_requires_grad=rec.requires_grad.get(by_name[layer.input_node], False)) if _HAS_RG else {}
         out.append(measure_layer(module, x, **kw))

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ckptopt import ChainCosts, _kernels, solve
+from ckptopt import ChainCosts, solve
+from ckptopt.solvers import exact, linear
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -50,13 +51,11 @@ def optimum_pass(c: ChainCosts, s: str) -> tuple[float, int]:
     full = not c.is_additive
     arrays = c.kernel_arrays  # cached; built before the clock starts
     if s == "linear":
-        w, h, q = c.additive_form()
-        P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
-        q, w = np.ascontiguousarray(q, dtype=np.int64), np.ascontiguousarray(w, dtype=np.int64)
+        P, q, w = linear._additive_arrays(c)
         t0 = time.perf_counter()
-        value, _ = _kernels.linear_additive(c.n, P, q, w)
+        value, _ = linear.linear_additive(c.n, P, q, w)
     else:
-        kernel = _kernels.dp_cubic if s == "dp" else _kernels.dp_quadratic
+        kernel = exact.dp_cubic if s == "dp" else exact.dp_quadratic
         t0 = time.perf_counter()
         value, _ = kernel(c.n, full, arrays)
     return time.perf_counter() - t0, int(value) + c.static

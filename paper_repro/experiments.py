@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ckptopt import ChainCosts, apply_plan, simulate, solve, zoo
-from ckptopt.measure import StorageTracker, measure_peak
+from ckptopt.measure import measure_peak
+from ckptopt.tracker import StorageTracker
 from ckptopt.timeline import simulate_timeline
 from ckptopt.tracer import trace
 

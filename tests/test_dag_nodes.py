@@ -1,5 +1,5 @@
 """Node-level plans (cuts where several tensors cross): the rewriter against the unmodified
-model, and the node-level simulator (ckptopt.dag) against fake-measured peaks.
+model, and the node-level simulator (ckptopt.experimental.dag) against fake-measured peaks.
 
 CKPTOPT_DAG_LONG=1 measures every plan of every small DAG (2**13 to 2**15 each, minutes)."""
 
@@ -12,16 +12,16 @@ import sys
 import pytest
 import torch
 
-from ckptopt import InvalidPlan, apply_plan, solve
-from ckptopt._dag_measure import node_plan, trace_dag
-from ckptopt.dag import DagCosts, NodePlan, brute_force_dag, simulate_dag
+from ckptopt import InvalidPlan, solve
+from ckptopt.experimental.dag import DagCosts, NodePlan, brute_force_dag, simulate_dag
+from ckptopt.experimental.nodes import apply_node_plan, node_plan, trace_dag
 from ckptopt.measure import measure_plans_fake
 
 from .test_dag_exactness import CASES
 
 DAGS = ("resnet-like", "densenet-like", "unet-like")
 LONG = os.environ.get("CKPTOPT_DAG_LONG") == "1"
-# DESIGN section 4's simulator matched measurements to 8 bytes; ours must match to 16 bytes.
+# docs/design.md §4's simulator matched measurements to 8 bytes; ours must match to 16 bytes.
 SLACK = 16
 
 
@@ -35,7 +35,8 @@ def traced(request):
 def fake_peaks(model, inputs, td, plans):
     """Measured peak of every node plan: the rewritten model run on fake tensors."""
     plans = list(plans)
-    return dict(zip(plans, measure_plans_fake(model, inputs, td.traced, [NodePlan(c, td.costs.n) for c in plans])))
+    return dict(zip(plans, measure_plans_fake(model, inputs, td.traced, [NodePlan(c, td.costs.n) for c in plans],
+                                              apply=apply_node_plan)))
 
 
 def sample_plans(positions, k, seed=0):
@@ -62,7 +63,7 @@ def test_node_plans_train_like_the_unmodified_model(traced):
             for k, v in model.named_buffers():
                 v.copy_(start[k])
         model.zero_grad(set_to_none=True)
-        module = apply_plan(model, td.traced, node_plan(td, cuts))
+        module = apply_node_plan(model, td.traced, node_plan(td, cuts))
         torch.manual_seed(1)
         out = module(*inputs)
         out.float().pow(2).mean().backward()
@@ -118,7 +119,7 @@ def test_bad_cuts_are_refused(traced):
     with pytest.raises(InvalidPlan, match="not allowed"):
         simulate_dag(td.costs, (0,))
     with pytest.raises(InvalidPlan, match="nodes"):
-        apply_plan(td.traced.gm, td.traced, NodePlan((1,), td.costs.n + 1))
+        apply_node_plan(td.traced.gm, td.traced, NodePlan((1,), td.costs.n + 1))
 
 
 def test_costs_json_round_trip(traced):
@@ -128,7 +129,7 @@ def test_costs_json_round_trip(traced):
 
 
 def test_dag_module_is_torch_free():
-    code = "import sys, ckptopt.dag; print('torch' in sys.modules)"
+    code = "import sys, ckptopt.experimental.dag; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -137,7 +138,7 @@ def test_optimize_nodes_on_a_unet_real_memory():
     """The experimental node-level optimizer: its plan's real measured peak is the prediction,
     never above the single-tensor-cut optimum's, and training is unchanged."""
     from ckptopt import optimize_checkpoints, zoo
-    from ckptopt._dag_measure import optimize_nodes
+    from ckptopt.experimental import optimize_nodes
     from ckptopt.measure import measure_peak
 
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ LONG = os.environ.get("CKPTOPT_FUZZ", "") == "long"
 LONG_EXAMPLES = int(os.environ.get("CKPTOPT_FUZZ_N", "400"))
 STEPS = 2  # a second step catches a BatchNorm statistic updated twice
 TOLERANCE = 1.05  # measured peak <= predicted x 1.05 (the bound) ...
-LOSS_BYTES = 8  # ... + the scalar loss and its gradient, which the chain model leaves out (DESIGN.md)
+LOSS_BYTES = 8  # ... + the scalar loss and its gradient, which the chain model leaves out (docs/design.md)
 
 _ran = {"models": 0, "plans": 0, "stored": 0}
 

@@ -10,14 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from ckptopt.measure import (
-    LayerMeasurement,
-    PeakMeasurement,
-    StorageTracker,
-    measure_layer,
-    measure_peak,
-    measure_peak_detailed,
-)
+from ckptopt.measure import PeakMeasurement, measure_peak, measure_peak_detailed
+from ckptopt.tracer import LayerMeasurement, measure_layer
+from ckptopt.tracker import StorageTracker
 
 F32 = 4
 
@@ -146,7 +141,7 @@ def test_tracker_is_not_reentrant():
 # measure_peak: hand-computed cases
 # ---------------------------------------------------------------------------
 def test_linear_peak_is_exactly_w_x_y_gw_plus_8():
-    # DESIGN.md section 2: Linear 1000 -> 2000, no bias, batch 10.
+    # docs/design.md §2: Linear 1000 -> 2000, no bias, batch 10.
     n, d_in, d_out = 10, 1000, 2000
     lin = nn.Linear(d_in, d_out, bias=False)
     x = torch.randn(n, d_in)
@@ -162,7 +157,7 @@ def test_linear_peak_is_exactly_w_x_y_gw_plus_8():
 
 
 def test_sum_loss_hides_the_output_gradient():
-    # DESIGN.md section 2: with .sum() the output gradient is an expanded 4-byte tensor.
+    # docs/design.md §2: with .sum() the output gradient is an expanded 4-byte tensor.
     lin = nn.Linear(1000, 2000, bias=False)
     x = torch.randn(10, 1000)
     W, X = 2000 * 1000 * F32, 10 * 1000 * F32
@@ -339,7 +334,7 @@ def test_layer_relu_saves_its_output():
 
 
 def test_layer_inplace_relu_has_no_forward_transient():
-    # DESIGN.md section 3: same saved set as ReLU, lower forward peak only.
+    # docs/design.md §3: same saved set as ReLU, lower forward peak only.
     x = torch.randn(10, 1000)
     A = _numel_bytes(10, 1000)
     m = measure_layer(nn.ReLU(inplace=True), x)
@@ -376,7 +371,7 @@ def test_layer_batchnorm_saves_input_and_statistics():
 
 
 def test_layer_dropout_saves_a_float_mask():
-    # DESIGN.md section 3: Dropout on CPU saves a full float32 mask.
+    # docs/design.md §3: Dropout on CPU saves a full float32 mask.
     x = torch.randn(10, 1000)
     A = _numel_bytes(10, 1000)
     m = measure_layer(nn.Dropout(0.5), x)
@@ -414,7 +409,7 @@ def test_fake_tracker_matches_real_tracker():
     from torch._dynamo.utils import deepcopy_to_fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ckptopt.measure import StorageTracker
+    from ckptopt.tracker import StorageTracker
 
     def step(model, x, tracker):
         tracker.register(model, x)

@@ -1,7 +1,7 @@
 """Planning a training run: optimizer memory, estimate, max_batch, plan_training, sizes.
 
 Truth is the measured peak of a real training step (exact CPU storage
-tracker, optimizer step included: ckptopt.planning.measure_training_step).
+tracker, optimizer step included: ckptopt.measure.measure_training_step).
 """
 
 import math
@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from ckptopt import simulate, solve, trace
+from ckptopt.measure import measure_training_step
 from ckptopt.planning import (
     BatchCosts,
-    _largest,
+    largest_fitting,
     accumulating_costs,
     estimate,
     max_batch,
-    measure_training_step,
     optimizer_memory,
     plan_training,
     with_batch,
@@ -97,7 +97,7 @@ def test_optimizer_state_is_what_torch_allocates():
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     for name in OPTS:
         om = optimizer_memory(sizes, name)
-        from ckptopt.planning import make_optimizer
+        from ckptopt.measure import make_optimizer
 
         opt = make_optimizer(model.parameters(), name)
         for p in model.parameters():
@@ -165,8 +165,8 @@ def test_accumulation_prediction(opt):
 # -- largest batch ---------------------------------------------------------------
 def test_largest_is_bisection_of_a_monotone_predicate():
     for limit in (0, 1, 2, 3, 7, 8, 100, 1023, 1024, 1025):
-        assert _largest(lambda b: b <= limit, cap=5000) == limit
-    assert _largest(lambda b: True, cap=77) == 77
+        assert largest_fitting(lambda b: b <= limit, cap=5000) == limit
+    assert largest_fitting(lambda b: True, cap=77) == 77
 
 
 def test_batch_costs_affine_on_a_chain():

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ckptopt import ChainCosts, InfeasibleBudget, simulate, solve
-from ckptopt.simulate import recomputed_layers
+from ckptopt.simulator import recomputed_layers
 from ckptopt.solvers import pareto_front
 
 from .common.strategies import additive_costs, full_costs, random_additive, random_full
@@ -126,7 +126,7 @@ def test_auto_stored_pass_reaches_the_lexicographic_optimum_over_every_plan(c):
 
 @given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
 def test_merging_adjacent_unwrapped_segments_keeps_peak_and_recompute(c):
-    from ckptopt.solvers.recompute import merge_unwrapped
+    from ckptopt.solvers.pareto import merge_unwrapped
 
     for peak, rec, plan, stored in every_plan_with_stored(c)[:200]:
         p2, s2 = merge_unwrapped(plan, stored)

@@ -98,7 +98,7 @@ def test_numpy_integer_plan_accepted():
 
 
 def test_recomputed_layers_follow_the_stop_rule():
-    from ckptopt.simulate import recomputed_layers
+    from ckptopt.simulator import recomputed_layers
 
     c = mlp3()  # every layer saves only its input
     assert recomputed_layers(c, ()) == []

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from ckptopt import (
     SOLVERS, ChainCosts, InfeasibleBudget, InvalidCosts, ProblemTooLarge, UnknownSolver, simulate, solve,
 )
-from ckptopt import _kernels
+from ckptopt.solvers import baselines, exact
 from ckptopt.solvers import solver_names
 
 from .common.strategies import additive_costs, full_costs, random_additive, random_full
@@ -39,7 +39,7 @@ def test_linear_equals_dp2_on_large_additive(seed, n):
 
 
 def test_design_counterexample_to_greedy_binary_search():
-    # DESIGN.md section 5: greedy "extend each segment" was wrong here.
+    # docs/design.md §5: greedy "extend each segment" was wrong here.
     c = ChainCosts.additive(w=[10, 0, 14], h=[16, 7, 8], q=[24, 3, 27])
     opt = solve(c, "brute").peak_bytes
     assert solve(c, "linear").peak_bytes == solve(c, "dp").peak_bytes == opt
@@ -61,8 +61,8 @@ def test_every_solver_reports_the_simulated_peak_and_none_beats_the_optimum(c):
 def test_exact_kernels_report_the_value_of_their_plan(c):
     full, K = True, c.kernel_arrays
     cpre = np.concatenate([[0], np.cumsum(c.c)]).astype(np.int64)
-    brute = lambda n, full, K: _kernels.brute_force_lex(n, full, K, cpre)[::2]  # (value, plan)
-    for kern in (_kernels.dp_cubic, _kernels.dp_quadratic, brute):
+    brute = lambda n, full, K: exact.brute_force_lex(n, full, K, cpre)[::2]  # (value, plan)
+    for kern in (exact.dp_cubic, exact.dp_quadratic, brute):
         value, plan = kern(c.n, full, K)
         assert int(value) + c.static == simulate(c, tuple(int(x) for x in plan)).peak_bytes
 
@@ -140,7 +140,7 @@ def test_uniform_and_sqrt_split_by_count():
 
 def test_chen_greedy_single_pass():
     sizes = np.array([5, 5, 5, 5, 5, 5], dtype=np.int64)
-    starts, saved, biggest = _kernels.chen_greedy_pass(sizes, 9)
+    starts, saved, biggest = baselines.chen_greedy_pass(sizes, 9)
     # running totals 5, 10 > 9 -> checkpoint after layer 1, then after layer 3; layer 5 is the end
     assert list(starts) == [2, 4] and saved == 10 and biggest == 10
 
@@ -205,8 +205,24 @@ def test_solve_rejects_non_costs():
 
 
 def test_registry_and_names():
-    assert set(SOLVERS) == {"brute", "dp", "dp2", "linear", "budget", "none", "every", "sqrt", "chen-greedy", "uniform"}
+    assert set(SOLVERS) == {"auto", "brute", "dp", "dp2", "linear", "budget", "none", "every", "sqrt", "chen-greedy",
+                            "uniform"}
     assert "uniform:K" in solver_names()
+
+
+@given(full_costs(max_n=10), st.data())
+def test_auto_is_the_default_policy(c, data):
+    """``auto``: dp2 improved with unwrapped segments without a budget, the budget solver with one."""
+    from ckptopt.solvers import improve_with_stored
+
+    auto, default = solve(c, "auto"), improve_with_stored(c, solve(c, "dp2"))
+    assert (auto.checkpoints, auto.stored, auto.peak_bytes, auto.solver) == (
+        default.checkpoints, default.stored, default.peak_bytes, default.solver)
+    assert auto.peak_bytes <= solve(c, "brute").peak_bytes
+    limit = data.draw(st.integers(max(1, auto.peak_bytes), simulate(c, ()).peak_bytes + 1))
+    within, budget = solve(c, "auto", budget=limit), solve(c, "budget", budget=limit)
+    assert (within.checkpoints, within.stored, within.peak_bytes) == (budget.checkpoints, budget.stored,
+                                                                      budget.peak_bytes) and within.peak_bytes <= limit
 
 
 def test_solvers_do_not_import_torch():

@@ -61,7 +61,7 @@ def test_inplace_and_views_stay_with_their_producer():
 
 
 class MaskBlock(nn.Module):
-    """Builds its causal mask from a runtime shape: symbolic_trace fails on it (DESIGN §4)."""
+    """Builds its causal mask from a runtime shape: symbolic_trace fails on it (docs/design.md §4)."""
 
     def __init__(self, d):
         super().__init__()

@@ -18,8 +18,9 @@ from .errors import (
     TraceError,
     UnknownSolver,
 )
-from .simulate import SimResult, simulate
-from .solvers import SOLVERS, Plan, solve
+from .plan import Plan
+from .simulator import SimResult, simulate
+from .solvers import SOLVERS, solve
 
 __version__ = "0.1.0"
 
@@ -28,8 +29,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "measure_peak": "ckptopt.measure",
     "measure_peak_detailed": "ckptopt.measure",
-    "measure_layer": "ckptopt.measure",
-    "StorageTracker": "ckptopt.measure",
+    "measure_layer": "ckptopt.tracer",
+    "StorageTracker": "ckptopt.tracker",
     "zoo": "ckptopt.zoo",
     "trace": "ckptopt.tracer",
     "optimize_checkpoints": "ckptopt.api",

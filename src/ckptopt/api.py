@@ -5,19 +5,17 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
-
 import torch.nn as nn
 
-from .rewriter import CheckpointedModule, apply_plan
-from .simulate import simulate
 from .errors import TraceError
-from .solvers import Plan, _check_budget, _lookup, improve_with_stored, solve
+from .plan import Plan
+from .rewriter import CheckpointedModule, apply_plan
+from .simulator import simulate
+from .solvers.registry import check_budget, lookup, solve
+from .torch_utils import fake_copy, normalize_inputs
+from .tracer import trace
 
-__all__ = ["optimize_checkpoints", "AUTO_EXACT_MAX_N"]
-
-# dp2 is exact and O(n^2): about a second at n = 15,000 on a 2-core machine
-# (benchmarks/RESULTS.md); beyond that "auto" uses the O(n) solver.
-AUTO_EXACT_MAX_N = 15_000
+__all__ = ["optimize_checkpoints"]
 
 
 def optimize_checkpoints(
@@ -37,8 +35,8 @@ def optimize_checkpoints(
     example_inputs : Tensor or tuple
         One batch of positional inputs, at the shapes training will use.
     solver : str
-        ``"auto"``: without a budget, the lowest peak (exact ``dp2`` up to
-        ``AUTO_EXACT_MAX_N`` layers, ``linear`` beyond), the least
+        ``"auto"`` (:mod:`ckptopt.solvers.policy`): without a budget, the lowest
+        peak (exact ``dp2`` up to 15,000 layers, ``linear`` beyond), the least
         recomputation among the plans reaching it; up to about 2,800 layers
         the search also covers plans that leave middle segments unwrapped
         (:attr:`Plan.stored`), which sometimes peak lower or recompute less
@@ -71,38 +69,20 @@ def optimize_checkpoints(
     >>> fast(torch.randn(32, 64)).shape
     torch.Size([32, 64])
     """
-    from .tracer import trace
-
-    if solver != "auto":
-        _lookup(solver)  # fail on a bad name before tracing
+    lookup(solver)  # fail on a bad name before tracing
     if budget is not None:
-        _check_budget(budget)  # and on a bad budget
+        check_budget(budget)  # and on a bad budget
     state = _python_state(model) if isinstance(model, nn.Module) else {}
     try:
         tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
         _check_forward_has_no_python_side_effects(model, example_inputs)
     finally:
         _restore_python_state(state)  # FX runs the forward's Python code on the model itself
-    if solver == "auto" and budget is None:
-        plan = default_plan(tm.costs)
-    else:
-        plan = solve(tm.costs, "budget" if solver == "auto" else solver, budget=budget)
+    plan = solve(tm.costs, solver, budget=budget)
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     return apply_plan(model, tm, plan)
-
-
-def default_plan(costs) -> Plan:
-    """The plan ``optimize_checkpoints`` picks without a budget (solver ``"auto"``).
-
-    ``dp2`` up to ``AUTO_EXACT_MAX_N`` layers (``linear`` beyond), then, where the
-    pass is cheap enough (about 2,800 layers), improved over plans that leave middle
-    segments unwrapped (:func:`ckptopt.solvers.improve_with_stored`).
-    """
-    if costs.n > AUTO_EXACT_MAX_N:
-        return solve(costs, "linear")
-    return improve_with_stored(costs, solve(costs, "dp2"))
 
 
 # --------------------------------------------------------------------------
@@ -159,18 +139,13 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     memory, the model itself is not touched); a change between the first
     and the second run (not a one-time lazy initialization) is an error.
     """
-    from torch._dynamo.utils import deepcopy_to_fake_tensor
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    fake_mode = FakeTensorMode()
-    copy = deepcopy_to_fake_tensor(model, fake_mode)
-    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+    fake = fake_copy(model, normalize_inputs(example_inputs))
+    copy = fake.model
     try:
-        with fake_mode, torch.no_grad():
-            copy(*fake_args)
+        with fake.mode, torch.no_grad():
+            fake.inputs.call(copy)
             first = _python_state(copy)
-            copy(*fake_args)
+            fake.inputs.call(copy)
     except Exception as exc:
         raise TraceError(
             f"running {type(model).__name__} on the example inputs failed: {type(exc).__name__}: {exc}. "

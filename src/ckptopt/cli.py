@@ -17,10 +17,19 @@ from typing import Sequence
 from .costs import ChainCosts
 from .errors import CkptoptError, InfeasibleBudget
 from .solvers import SOLVERS, solve
-from .solvers.exact import BRUTE_MAX_N
 from .units import format_bytes, parse_bytes
 
 DEFAULT_SOLVERS = ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp", "brute")
+
+
+def _routine(names, n: int) -> list[str]:
+    """The solvers a table runs by default on ``n`` layers (each within its ``max_n``)."""
+    out = []
+    for name in names:
+        info = SOLVERS.get(name)
+        if info is None or info.max_n is None or n <= info.max_n:
+            out.append(name)
+    return out
 
 
 def _example_path() -> str:
@@ -38,9 +47,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     path = _example_path() if args.costs == "example" else args.costs
     costs = ChainCosts.from_json(path)
     budget = parse_bytes(args.budget) if args.budget else None
-    names = args.solver or [s for s in DEFAULT_SOLVERS if s != "brute" or costs.n <= BRUTE_MAX_N]
-    if costs.n > 2000 and not args.solver:
-        names = [s for s in names if s != "dp"]
+    names = args.solver or _routine(DEFAULT_SOLVERS, costs.n)
     rows = []
     for name in names:
         try:
@@ -99,7 +106,7 @@ def _load_and_trace(args):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .simulate import simulate
+    from .simulator import simulate
 
     model, inputs, tm = _load_and_trace(args)
     costs = tm.costs
@@ -188,19 +195,16 @@ COMPARE_SOLVERS = ("none", "every", "sqrt", "chen-greedy", "linear", "dp2", "dp"
 def cmd_compare(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .api import default_plan
     from .rewriter import apply_plan
-    from .simulate import recomputed_layers
+    from .simulator import recomputed_layers
 
     model, inputs, tm = _load_and_trace(args)
-    names = args.solvers.split(",") if args.solvers else list(COMPARE_SOLVERS)
-    if "dp" in names and tm.n > 2000 and not args.solvers:
-        names.remove("dp")
+    names = args.solvers.split(",") if args.solvers else _routine(COMPARE_SOLVERS, tm.n)
     flops = tm.flops
     total = sum(flops) or 1
     rows = []
     for name in tqdm(names, desc="solvers", disable=not args.measure or args.json, leave=False):
-        plan = default_plan(tm.costs) if name == "default" else solve(tm.costs, name)
+        plan = solve(tm.costs, "auto" if name == "default" else name)
         recomputed = recomputed_layers(tm.costs, plan.checkpoints, plan.stored)
         row = dict(solver=name, predicted_peak_bytes=plan.peak_bytes, segments=len(plan.checkpoints) + 1,
                    checkpoints=list(plan.checkpoints), stored=list(plan.stored), solve_seconds=plan.solve_seconds,
@@ -429,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--costs", required=True, metavar="FILE.json",
                    help="cost model written by ChainCosts.to_json; 'example' for the bundled conv chain")
     p.add_argument("--solver", action="append", metavar="S",
-                   help=f"solver to run (repeatable); default: all. Valid: {', '.join(list(SOLVERS)[:-1])}, uniform:K")
+                   help=f"solver to run (repeatable); default: all but auto. Valid: {', '.join(list(SOLVERS)[:-1])}, uniform:K")
     p.add_argument("--budget", metavar="SIZE", help="peak-memory budget, e.g. 8GiB, 512MiB or bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_solve)

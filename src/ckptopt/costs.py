@@ -2,7 +2,7 @@
 
 Two forms share one type, :class:`ChainCosts`.
 
-**Full form** (DESIGN.md section 3, measured against PyTorch). Layers
+**Full form** (docs/design.md §3, measured against PyTorch). Layers
 ``0..n-1`` run in order; ``x_i`` is the output of layer ``i`` and the model
 input ``x_{-1}`` is part of the static bytes. Per layer:
 
@@ -43,7 +43,7 @@ peak ``static + max_k (sum_{j=1..k} w[l_j] + max_{i in [l_k, r_k]}
 (sum_{t=l_k}^{i-1} h[t] + q[i]))``; ``w[0]`` is unused.
 
 A *plan* is the sorted tuple of layers that start a new segment, excluding
-layer 0 (see :mod:`ckptopt.simulate`).
+layer 0 (see :mod:`ckptopt.plan`).
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ import json
 import math
 import os
 from functools import cached_property
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import InvalidCosts
 
-__all__ = ["ChainCosts"]
+__all__ = ["ChainCosts", "KernelArrays"]
 
 _FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
 _ADDITIVE_FIELDS = ("w", "h", "q")
@@ -156,14 +156,75 @@ def _int_scalar(field: str, value: Any) -> int:
     return v
 
 
+class KernelArrays(NamedTuple):
+    """The per-layer int64 arrays the compiled simulator and solvers read, by name.
+
+    Built once per cost model (:attr:`ChainCosts.kernel_arrays`), all read-only.
+    With ``H(l, i) = P[i] - P[l]`` what layers ``l..i-1`` of a segment leave
+    saved (deduplicated by storage):
+
+    ``P``     prefix sums (length n+1) of what each layer leaves saved
+    ``qb``    backward term of layer i (its saves, output gradient, transient, later gradients)
+    ``ck``    bytes a segment starting at layer i holds as its checkpoint (``ck[0] = 0``)
+    ``qf``    forward term of layer i inside an unwrapped segment (input not already saved + ``f``)
+    ``fw``    forward term of layer i inside a wrapped segment (input + ``f``)
+    ``f``     forward transient
+    ``G``     gradient bytes of the parameters of the layers after i
+    ``a``     output bytes
+    ``runs``  a recomputation that needs layer i last runs it (up to its last save)
+    ``saves`` layer i saves a tensor (its input, output or extras)
+    ``sin``   layer i saves its input
+    ``qs``    ``qf`` with the transient up to the last save (``fs``)
+    ``fs``    forward transient up to the last saved tensor
+    ``keep``  what layer i keeps of what it produces (a stored segment ending at i)
+    ``sout``  layer i saves its output
+    ``rb``    gradient bytes held while a checkpointed segment ending at i is recomputed
+    ``ext``   a recomputation that reaches layer i must run it (it saves, or packs a dead tensor)
+    ``qbk``   ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input stays held)
+
+    For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
+    (= ``h``) and ``qbk`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
+    are ones and the rest zeros. numba reads the tuple by field name in nopython mode.
+    """
+
+    P: np.ndarray
+    qb: np.ndarray
+    ck: np.ndarray
+    qf: np.ndarray
+    fw: np.ndarray
+    f: np.ndarray
+    G: np.ndarray
+    a: np.ndarray
+    runs: np.ndarray
+    saves: np.ndarray
+    sin: np.ndarray
+    qs: np.ndarray
+    fs: np.ndarray
+    keep: np.ndarray
+    sout: np.ndarray
+    rb: np.ndarray
+    ext: np.ndarray
+    qbk: np.ndarray
+
+    @classmethod
+    def of(cls, *arrays: np.ndarray) -> "KernelArrays":
+        """Contiguous read-only int64 copies, in field order (one array type for every kernel)."""
+        out = []
+        for x in arrays:
+            x = np.array(x, dtype=np.int64, copy=True)
+            x.setflags(write=False)
+            out.append(x)
+        return cls(*out)
+
+
 class ChainCosts:
     """Per-layer memory costs of a chain of ``n`` layers, in integer bytes.
 
     Parameters
     ----------
     a, p, sin, sout, m, f, b : sequences of length n
-        The full-form quantities (see the module docstring and DESIGN.md
-        section 3). ``sin``/``sout`` are flags (bool or 0/1).
+        The full-form quantities (see the module docstring and docs/design.md
+        §3). ``sin``/``sout`` are flags (bool or 0/1).
     static : int
         Bytes held for the whole step (parameters, buffers, model input).
     names : sequence of str, optional
@@ -280,12 +341,6 @@ class ChainCosts:
         out = np.concatenate([[0], np.cumsum(self._c)]).astype(np.int64)
         out.setflags(write=False)
         return out
-
-    def with_compute(self, c: Sequence[int]) -> "ChainCosts":
-        """A copy of this cost model with per-layer compute costs ``c``."""
-        data = self.to_dict()
-        data["compute"] = [int(x) for x in c]
-        return ChainCosts.from_dict(data)
 
     @classmethod
     def additive(
@@ -429,64 +484,49 @@ class ChainCosts:
         return suffix[1:].astype(np.int64)
 
     @cached_property
-    def kernel_arrays(self) -> tuple[np.ndarray, ...]:
-        """The int64 arrays the compiled kernels read (see ``ckptopt.solvers._kernels``).
+    def kernel_arrays(self) -> KernelArrays:
+        """The arrays the compiled kernels read (:class:`KernelArrays`; built once, read-only).
 
-        ``(P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk)``: ``P``
-        (length n+1) the prefix sums of what each layer leaves saved, ``qb`` the
-        per-layer backward term, ``ck`` the bytes a segment starting at a layer
-        holds as its checkpoint (``ck[0] = 0``), for the full form the forward
-        and recomputation terms, and ``keep[i]`` what layer ``i`` keeps of what
-        it produces (what a stored segment ending at ``i`` holds beyond
-        ``P[i] - P[l]``), and ``rb[r]`` the gradient bytes held while a
-        checkpointed segment ending at ``r`` is recomputed: the backward of its
-        trailing layers that save nothing runs first, so it is ``G[j] + rg[j]``
-        for ``j`` the last layer up to ``r`` that saves a tensor, and ``ext[i]``
-        whether a recomputation that reaches layer ``i`` must run it: it saves a
-        tensor or packs one autograd drops (``dead``), and ``qbk`` the backward
-        term ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input
-        stays held). Everything else is zero for the additive form (``ext``
-        one, ``qbk = qb``).
+        Full form, from the per-layer fields: ``k[t]`` says activation ``x_t`` is
+        saved (by layer t as its output or by layer t+1 as its input), so what
+        layer ``i`` leaves saved is ``h[i] = m[i] + a[i] k[i]``; ``rb[r] = G[j] +
+        rg[j]`` for ``j`` the last layer up to ``r`` that saves a tensor (the
+        trailing layers' backward runs before the recomputation); ``runs[i]``:
+        when layer ``i`` is the last one a recomputation needs, it runs up to its
+        last saved tensor (``fs``) -- it saves what it produces, or work precedes
+        its input's pack -- else its input pack comes first.
         """
         n = self.n
         z = np.zeros(n, dtype=np.int64)
         if self.kind == "additive":
             h, q, w = self._fields["h"], self._fields["q"], self._fields["w"]
-            P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
+            P = np.concatenate([[0], np.cumsum(h)])
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return (P, q.copy(), ck, z, z, z, z, z, one, one, one, z, z, h.astype(np.int64), z, z, one, q.copy())
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
-        # k[t]: activation x_t is saved by layer t (its output) or by layer t+1 (its input).
         nxt_sin = np.concatenate([sin[1:], [0]])
         k = ((sout > 0) | (nxt_sin > 0)).astype(np.int64)
         h = m + a * k
-        P = np.concatenate([[0], np.cumsum(h)]).astype(np.int64)
+        P = np.concatenate([[0], np.cumsum(h)])
         qb = m + a * sout + a + b + G
         a_prev = np.concatenate([[0], a[:-1]])
         k_prev = np.concatenate([[0], k[:-1]])
         qf = a_prev * (1 - k_prev) + f
         fw = a_prev + f
-        ck = a_prev.copy()
         fs = self._fields["fs"]
-        # runs[i]: when layer i is the last one a recomputation needs, it runs (up to its last
-        # saved tensor, fs) -- it saves what it produces, or work precedes its input's pack
-        # (an op before the saving one, e.g. a dead dropout); else its input pack comes first
-        runs = ((sout > 0) | (m > 0) | (fs > 0)).astype(np.int64)
-        saves = ((sout > 0) | (m > 0) | (sin > 0)).astype(np.int64)
+        runs = (sout > 0) | (m > 0) | (fs > 0)
+        saves = (sout > 0) | (m > 0) | (sin > 0)
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
-        # rb[r]: the recomputation of a segment ending at r starts when the backward of its last
-        # saving layer j first reads a saved tensor (the trailing layers' backward has run)
         rg = self._fields["rg"]
-        j = np.maximum.accumulate(np.where(saves > 0, np.arange(n), -1))  # last saving layer <= r
+        j = np.maximum.accumulate(np.where(saves, np.arange(n), -1))  # last saving layer <= r
         rb = np.where(j >= 0, G[j] + rg[j], G + a)
-        return (P, qb, ck, qf, fw, f.copy(), G.copy(), a.copy(), runs, saves, sin.astype(np.int64), qs, fs.copy(),
-                keep.astype(np.int64), sout.astype(np.int64), rb.astype(np.int64),
-                ((saves > 0) | (self._fields["dead"] > 0)).astype(np.int64),
-                (qb - b + self._fields["bk"]).astype(np.int64))
+        ext = saves | (self._fields["dead"] > 0)
+        qbk = qb - b + self._fields["bk"]
+        return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.
@@ -500,9 +540,9 @@ class ChainCosts:
         they depend on where the segment ends. The simulator scores the
         resulting plan with the full model.
         """
-        P, qb, ck, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk = self.kernel_arrays
-        h = np.diff(P)
+        K = self.kernel_arrays
+        h = np.diff(K.P)
         if self.kind == "additive":
-            return ck, h, qb
-        q = np.maximum(np.maximum(qb, G + a + qf), fw)
-        return ck, h, q
+            return K.ck, h, K.qb
+        q = np.maximum(np.maximum(K.qb, K.G + K.a + K.qf), K.fw)
+        return K.ck, h, q

@@ -8,7 +8,7 @@ last through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``,
 the last one plainly. In eval mode or without grad no segment is
 checkpointed, so nothing is recomputed.
 
-Design note (DESIGN.md section 6):
+Design note (``docs/design.md`` §6):
 
 * A segment is a generated ``fx.GraphModule`` forward called with the
   wrapper as ``self``, so it reads submodules through the shared tree and
@@ -40,11 +40,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .dag import NodePlan
-from .errors import InvalidPlan
-from .simulate import simulate
-from .solvers import Plan
-from .tracer import TracedModel, _subgraph_module
+from .plan import Plan
+from .simulator import simulate
+from .tracer.chain import TracedModel
+from .tracer.cuts import subgraph_module
 from .units import format_bytes
 
 __all__ = ["apply_plan", "CheckpointedModule"]
@@ -138,7 +137,7 @@ def _segments_of_groups(gm: fx.GraphModule, groups: list[list[fx.Node]], wrapped
     segments = []
     for k, members in enumerate(groups):
         outputs = [m for m in members if last_use.get(m.name, -1) > k]
-        sub = _subgraph_module(gm, members, inputs_of[k], tuple(outputs))
+        sub = subgraph_module(gm, members, inputs_of[k], tuple(outputs))
         if not wrapped[k]:
             _take_inputs_from_list(sub)
         values = [a.name for a in inputs_of[k]] + [m.name for m in outputs]
@@ -165,7 +164,8 @@ class CheckpointedModule(nn.Module):
         The model it wraps (modules, parameters and buffers are shared).
     """
 
-    def __init__(self, model: nn.Module, traced: TracedModel, plan: Plan):
+    def __init__(self, model: nn.Module, traced: TracedModel, plan: Plan,
+                 node_groups: tuple[list[list[fx.Node]], list[bool]] | None = None):
         super().__init__()
         # share the original's module tree: same state_dict keys, same tensors, same order
         self._modules = model._modules
@@ -184,10 +184,9 @@ class CheckpointedModule(nn.Module):
         self._ph_names = tuple(n.name for n in self._placeholders)
         self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._copy_root_attrs(model, gm)
-        if isinstance(plan, NodePlan):
-            self._segments = _segments_of_groups(gm, *_node_groups(gm, plan))
-        else:
-            self._segments = self._build_segments(traced, plan)
+        # node groups: a plan over graph nodes rather than the chain's layers (ckptopt.experimental)
+        groups = node_groups if node_groups is not None else self._chain_groups(traced, plan)
+        self._segments = _segments_of_groups(gm, *groups)
         self._hooks = self._install_bn_hooks(gm)
 
     # -- construction ---------------------------------------------------------
@@ -198,8 +197,9 @@ class CheckpointedModule(nn.Module):
                 if head not in self._modules and head not in self._parameters and head not in self._buffers:
                     object.__setattr__(self, head, getattr(model, head))
 
-    def _build_segments(self, tm: TracedModel, plan: Plan) -> list[_Segment]:
-        """Chain plan -> node groups (the layers of each segment) -> segments."""
+    @staticmethod
+    def _chain_groups(tm: TracedModel, plan: Plan) -> tuple[list[list[fx.Node]], list[bool]]:
+        """Chain plan -> node groups (the layers of each segment) and which are checkpointed."""
         layers = tm.layers
         has_loss_layer = layers[-1].nodes == ("<loss>",)
         n_model = len(layers) - 1 if has_loss_layer else len(layers)
@@ -212,7 +212,7 @@ class CheckpointedModule(nn.Module):
         for k, (first, last) in enumerate(bounds):
             groups.append([nodes[nm] for j in range(first, last + 1) for nm in layers[j].nodes])
             wrapped.append((k < len(bounds) - 1 or not last_plan_seg_includes_model) and first not in stored)
-        return _segments_of_groups(tm.gm, groups, wrapped)
+        return groups, wrapped
 
     def _install_bn_hooks(self, gm: fx.GraphModule) -> list:
         handles = []
@@ -299,8 +299,8 @@ class CheckpointedModule(nn.Module):
     def explain(self) -> str:
         """A readable account of the plan: segments, what each keeps, the predicted peak."""
         tm, plan = self.traced, self.plan
-        if isinstance(plan, NodePlan):
-            return "\n".join([f"ckptopt node-level plan for {type(self.original).__name__}: cuts {plan.cuts}, "
+        if not isinstance(plan, Plan):  # a node-level plan (ckptopt.experimental)
+            return "\n".join([f"ckptopt node-level plan for {type(self.original).__name__}: {plan}, "
                               f"predicted peak {format_bytes(plan.peak_bytes)}"] +
                              [f"  segment {s.index} ({'checkpointed' if s.wrapped else 'not wrapped'}): "
                               f"{s.nodes[0]} .. {s.nodes[-1]}, inputs {', '.join(s.input_names) or '-'}"
@@ -344,26 +344,6 @@ class CheckpointedModule(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-
-
-def _node_groups(gm: fx.GraphModule, plan: NodePlan) -> tuple[list[list[fx.Node]], list[bool]]:
-    """The op-node groups of a node-level plan and which are checkpointed.
-
-    Position ``k`` is the k-th op node of ``gm`` (``len(ops)``: the loss); a
-    cut at the loss checkpoints every model segment.
-    """
-    ops = [n for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")]
-    if plan.n != len(ops) + 1:
-        raise InvalidPlan(f"the node plan was made for {plan.n} nodes but the traced graph has "
-                          f"{len(ops)} op nodes and the loss ({len(ops) + 1}); trace the model again")
-    cuts = list(plan.cuts)
-    if cuts != sorted(set(cuts)) or any(not 1 <= c <= len(ops) for c in cuts):
-        raise InvalidPlan(f"node plan cuts must be increasing positions in 1..{len(ops)}, got {plan.cuts}")
-    starts = [0] + [c for c in cuts if c < len(ops)]
-    ends = starts[1:] + [len(ops)]
-    groups = [ops[a:b] for a, b in zip(starts, ends)]
-    wrapped = [True] * (len(groups) - 1) + [len(ops) in cuts]
-    return groups, wrapped
 
 
 def _attr(root: nn.Module, target: str):
@@ -420,8 +400,6 @@ def apply_plan(model: nn.Module, traced: TracedModel, plan: Plan) -> Checkpointe
     ValueError
         When the plan was made for a cost model of another length.
     """
-    if isinstance(plan, NodePlan):
-        return CheckpointedModule(model, traced, plan)
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan (from ckptopt.solve), got {type(plan).__name__}")
     if plan.n != traced.n:

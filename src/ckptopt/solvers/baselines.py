@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
-from .. import _kernels
 from ..costs import ChainCosts
 from ..errors import UnknownSolver
+from ..simulator.kernels import simulate_plan
 
 __all__ = ["none", "every", "sqrt", "uniform", "chen_greedy"]
 
@@ -63,10 +64,10 @@ def chen_greedy(costs: ChainCosts, ntrial: int = 6) -> tuple[int, ...]:
     tried: list[tuple[int, tuple[int, ...]]] = []
 
     def attempt(threshold: int) -> tuple[int, int]:
-        starts, saved, biggest = _kernels.chen_greedy_pass(sizes, int(threshold))
+        starts, saved, biggest = chen_greedy_pass(sizes, int(threshold))
         plan = tuple(int(x) for x in starts)
         starts = np.array((0,) + plan, dtype=np.int64)
-        peak = _kernels.simulate_plan(starts, np.zeros_like(starts), n, full, K)[0]
+        peak = simulate_plan(starts, np.zeros_like(starts), n, full, K)[0]
         tried.append((int(peak), plan))
         return int(saved), int(biggest)
 
@@ -106,3 +107,36 @@ def parse_uniform_arg(arg: str | None) -> int:
     if k < 1:
         raise UnknownSolver(f"solver 'uniform:{arg}': the segment count must be at least 1")
     return k
+
+
+@njit(cache=True)
+def chen_greedy_pass(sizes, threshold):
+    """Chen et al. (2016) Algorithm 3 for one budget ``threshold``.
+
+    Walks the layers in order accumulating output sizes; when the running
+    total exceeds the threshold the layer's output becomes a checkpoint (the
+    next segment starts after it). Returns (segment starts, saved x, max local y).
+    """
+    n = sizes.shape[0]
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    local = 0
+    saved = 0
+    biggest = 0
+    for i in range(n):
+        local += sizes[i]
+        if local > threshold and i < n - 1:
+            saved += sizes[i]
+            if local > biggest:
+                biggest = local
+            local = 0
+            out[m] = i + 1
+            m += 1
+    if local > biggest:
+        biggest = local
+    return out[:m], saved, biggest
+
+
+def warmup(K, cpre) -> None:
+    """Compile this module's kernel on a tiny instance."""
+    chen_greedy_pass(np.ones(3, dtype=np.int64), 1)

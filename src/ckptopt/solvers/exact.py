@@ -1,18 +1,27 @@
-"""Exact solvers for the full chain model: brute force, O(n^3) and O(n^2) programs."""
+"""Exact solvers for the full chain model: brute force, O(n^3) and O(n^2) programs.
+
+Each engine is a compiled kernel next to the function that calls it. Among the
+plans reaching the optimum, ``dp`` and ``dp2`` return one with the least
+recomputation (an exact second pass, :func:`ckptopt.solvers.pareto.least_recompute`).
+"""
 
 from __future__ import annotations
 
-from .. import _kernels
+import numpy as np
+from numba import njit
+
 from ..costs import ChainCosts
 from ..errors import ProblemTooLarge
-from .recompute import TIE_BREAK_MAX_WORK, FrontTooLarge, compute_prefix, least_recompute
+from ..plan import Solution
+from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, segment_peak, simulate_plan
+from .limits import BRUTE_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
+from .pareto import FrontTooLarge, least_recompute
+from .rows import plan_from_choice, segment_row
 
-__all__ = ["brute", "dp", "dp2", "BRUTE_MAX_N"]
-
-BRUTE_MAX_N = 20
+__all__ = ["brute", "dp", "dp2"]
 
 
-def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+def brute(costs: ChainCosts) -> Solution:
     """Try every plan (2^(n-1) of them) and keep the lowest peak.
 
     The oracle the tests check every other solver against. Among the plans
@@ -35,66 +44,64 @@ def brute(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
             f"solver 'brute' tries all 2^(n-1) plans and refuses n > {BRUTE_MAX_N} "
             f"(this model has n = {costs.n}); use the exact solver 'dp2' (O(n^2)) or 'dp' instead"
         )
-    value, _, plan = _kernels.brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays,
-                                              compute_prefix(costs))
-    return tuple(int(x) for x in plan), int(value) + costs.static
+    value, _, plan = brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix)
+    return Solution(tuple(int(x) for x in plan), int(value) + costs.static)
 
 
-def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> tuple[tuple[int, ...], int]:
+def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> Solution:
     """Among the plans reaching the optimum ``value`` (static excluded), the least recomputation."""
     best = None
-    if costs.n * costs.n <= 4 * TIE_BREAK_MAX_WORK:  # its O(n^2) part alone would pass the limit
+    if within_tie_break(costs.n):
         try:
             best = least_recompute(costs, int(value) + costs.static, allow_stored=False,
                                    max_work=TIE_BREAK_MAX_WORK)
         except FrontTooLarge:
             pass  # too many trade-offs within the optimum: keep the first pass's plan
     if best is None:  # (None cannot happen otherwise: the solver's own plan reaches the optimum)
-        return tuple(int(x) for x in plan), int(value) + costs.static
-    return best[0], int(value) + costs.static
+        return Solution(tuple(int(x) for x in plan), int(value) + costs.static)
+    return Solution(best[0], int(value) + costs.static)
 
 
-def dp(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+def dp(costs: ChainCosts) -> Solution:
     """The O(n^3) dynamic program of Hong et al. (arXiv 2502.12499).
 
     With ``V(l)`` the lowest peak (relative to the checkpoints held before
     it) of layers ``l..n-1`` when a segment starts at ``l``::
 
-        V(l) = min_{r >= l} max(D(l, r), ck[r+1] + V(r+1)),   D(l, n-1) last
+        V(l) = min_{r >= l} c(l, r) + max(D(l, r), V(r+1)),   D(l, n-1) unwrapped
 
     where ``D(l, r)`` is the peak inside segment ``[l, r]`` (forward,
-    recomputation and backward terms, DESIGN.md section 3) and ``ck[r+1]``
-    the bytes of the next segment's checkpoint, which every later segment
-    also holds (the prefix objective). ``D`` may depend on both ends in any
-    way; here each ``D(l, r)`` is computed from scratch in O(r - l), as in
-    the paper's cubic formulation.
+    recomputation and backward terms, ``docs/design.md`` §3) and ``c(l, r)`` the
+    checkpoint the segment holds, which every later segment also holds (the
+    prefix objective). ``D`` may depend on both ends in any way; here each
+    ``D(l, r)`` is computed from scratch in O(r - l), as in the paper's cubic
+    formulation.
 
     Among the plans reaching the optimum, the one with the least
-    recomputation is returned (:func:`~ckptopt.solvers.recompute.least_recompute`
-    with the optimum as the cap: an exact second pass). The pass is bounded
-    (``TIE_BREAK_MAX_WORK`` steps, at most about 0.4 s, so it runs only up to
-    about 2,800 layers); on an instance with more trade-offs within the
-    optimum (seen on random models of a thousand layers, never on the zoo),
-    the first pass's plan is kept: its peak is optimal either way.
+    recomputation is returned (the Pareto program with the optimum as the cap:
+    an exact second pass). The pass is bounded (``TIE_BREAK_MAX_WORK`` steps,
+    at most about 0.4 s, so it runs only up to about 2,800 layers); on an
+    instance with more trade-offs within the optimum (seen on random models of
+    a thousand layers, never on the zoo), the first pass's plan is kept: its
+    peak is optimal either way.
 
     Notes
     -----
     Running time O(n^3), memory O(n). Exact for the full model.
     """
-    value, plan = _kernels.dp_cubic(costs.n, not costs.is_additive, costs.kernel_arrays)
+    value, plan = dp_cubic(costs.n, not costs.is_additive, costs.kernel_arrays)
     return _fewest_recomputed(costs, value, plan)
 
 
-def dp2(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
+def dp2(costs: ChainCosts) -> Solution:
     """Exact O(n^2) program: the recurrence of :func:`dp` with ``D(l, r)``
-    extended incrementally as ``r`` grows.
+    extended incrementally as ``r`` grows (:func:`ckptopt.solvers.rows.segment_row`).
 
     For a fixed ``l`` the backward and forward terms are running maxima; the
-    recomputation term is ``G[r] + a[r]`` plus a running maximum taken up to
-    the last layer the recomputation runs, which only moves forward with
-    ``r``. So each ``D(l, r)`` costs O(1) after ``D(l, r-1)`` (DESIGN.md
-    section 5). Among the plans reaching the optimum, the one with the least
-    recomputation, as in :func:`dp`.
+    recomputation term is ``rb[r]`` plus a running maximum taken up to the last
+    layer the recomputation runs, which only moves forward with ``r``. So each
+    ``D(l, r)`` costs O(1) after ``D(l, r-1)``. Among the plans reaching the
+    optimum, the one with the least recomputation, as in :func:`dp`.
 
     Notes
     -----
@@ -102,5 +109,113 @@ def dp2(costs: ChainCosts) -> tuple[tuple[int, ...], int]:
     O(n^2 F), F the number of (peak, recomputation) trade-offs within the
     optimum, and bounded as in :func:`dp`. Exact for the full model.
     """
-    value, plan = _kernels.dp_quadratic(costs.n, not costs.is_additive, costs.kernel_arrays)
+    value, plan = dp_quadratic(costs.n, not costs.is_additive, costs.kernel_arrays)
     return _fewest_recomputed(costs, value, plan)
+
+
+# --------------------------------------------------------------------------
+# compiled engines
+# --------------------------------------------------------------------------
+@njit(cache=True)
+def dp_cubic(n, full, K):
+    """O(n^3) dynamic program: every segment cost recomputed from scratch.
+
+    V(l) = min_r c(l, r) + max(D(l, r), V(r+1)), with c(l, r) the checkpoint
+    the segment holds; D(l, n-1) is the unwrapped last segment and V(n) = -inf.
+    Returns (optimum without static, checkpoints).
+    """
+    V = np.empty(n + 1, dtype=np.int64)
+    V[n] = NEG
+    choice = np.empty(n, dtype=np.int64)
+    for l in range(n - 1, -1, -1):
+        bestv = BIG
+        bestr = -1
+        for r in range(l, n):
+            last = r == n - 1
+            c = held_checkpoint(l, r, last, full, K)
+            D = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0)[0]
+            rest = V[r + 1]
+            val = c + (D if D > rest else rest)
+            if val <= bestv:  # ties: the longest segment
+                bestv = val
+                bestr = r
+        V[l] = bestv
+        choice[l] = bestr
+    return V[0], plan_from_choice(choice, n)
+
+
+@njit(cache=True)
+def dp_quadratic(n, full, K):
+    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
+    V = np.empty(n + 1, dtype=np.int64)
+    V[n] = NEG
+    choice = np.empty(n, dtype=np.int64)
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    Cpre = np.zeros(n + 1, dtype=np.int64)
+    for l in range(n - 1, -1, -1):
+        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+        bestv = BIG
+        bestr = -1
+        for r in range(l, n):
+            if r == n - 1:
+                c = held_checkpoint(l, r, True, full, K)
+                d = Ds[r]
+            else:
+                c = hold[r]
+                d = Dc[r]
+            if l > 0 and c == 0:
+                v = K.ck[l] + K.f[l]  # the input is live while the first layer runs
+                if v > d:
+                    d = v
+            rest = V[r + 1]
+            val = c + (d if d > rest else rest)
+            if val <= bestv:
+                bestv = val
+                bestr = r
+        V[l] = bestv
+        choice[l] = bestr
+    return V[0], plan_from_choice(choice, n)
+
+
+@njit(cache=True)
+def brute_force_lex(n, full, K, Cpre):
+    """Every plan; the lowest peak, then the least recomputation, then the smallest mask."""
+    starts = np.empty(n, dtype=np.int64)
+    zeros = np.zeros(n, dtype=np.int64)
+    best = BIG
+    best_rec = BIG
+    best_mask = 0
+    for mask in range(1 << (n - 1)):
+        starts[0] = 0
+        m = 1
+        for j in range(n - 1):
+            if (mask >> j) & 1:
+                starts[m] = j + 1
+                m += 1
+        v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
+        if v > best:
+            continue
+        rc = plan_recompute(starts[:m], zeros[:m], n, full, K, Cpre)
+        if v < best or rc < best_rec:
+            best = v
+            best_rec = rc
+            best_mask = mask
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    for j in range(n - 1):
+        if (best_mask >> j) & 1:
+            out[m] = j + 1
+            m += 1
+    return best, best_rec, out[:m]
+
+
+def warmup(K, cpre) -> None:
+    """Compile this module's kernels on a tiny instance."""
+    n = K.a.shape[0]
+    for full in (True, False):
+        dp_cubic(n, full, K)
+        dp_quadratic(n, full, K)
+        brute_force_lex(n, full, K, cpre)

@@ -33,7 +33,7 @@ All zoo models are traceable by :func:`torch.fx.symbolic_trace`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -84,19 +84,28 @@ _IMAGE = "image"
 _TOKENS = "tokens"
 _FEATURES = "features"
 
-# name -> (constructor, input kind, default batch size, default input size)
-_REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str, int, Optional[int]]] = {
-    "vgg16": (vgg16, _IMAGE, 2, 64),
-    "vgg19": (vgg19, _IMAGE, 2, 64),
-    "resnet18": (resnet18, _IMAGE, 2, 64),
-    "resnet50": (resnet50, _IMAGE, 2, 64),
-    "resnet101": (resnet101, _IMAGE, 2, 64),
-    "resnet152": (resnet152, _IMAGE, 2, 64),
-    "densenet121": (densenet121, _IMAGE, 2, 64),
-    "mobilenet_v2": (mobilenet_v2, _IMAGE, 2, 64),
-    "unet": (unet, _IMAGE, 1, 64),
-    "gpt": (gpt, _TOKENS, 2, None),
-    "mlp": (mlp, _FEATURES, 32, None),
+
+class ZooEntry(NamedTuple):
+    """How :func:`get` builds a zoo model and its example inputs."""
+
+    build: Callable[..., nn.Module]
+    inputs: str  # "image", "tokens" or "features"
+    batch_size: int  # default batch size
+    input_size: Optional[int]  # default image side (None: taken from the model)
+
+
+_REGISTRY: Dict[str, ZooEntry] = {
+    "vgg16": ZooEntry(vgg16, _IMAGE, 2, 64),
+    "vgg19": ZooEntry(vgg19, _IMAGE, 2, 64),
+    "resnet18": ZooEntry(resnet18, _IMAGE, 2, 64),
+    "resnet50": ZooEntry(resnet50, _IMAGE, 2, 64),
+    "resnet101": ZooEntry(resnet101, _IMAGE, 2, 64),
+    "resnet152": ZooEntry(resnet152, _IMAGE, 2, 64),
+    "densenet121": ZooEntry(densenet121, _IMAGE, 2, 64),
+    "mobilenet_v2": ZooEntry(mobilenet_v2, _IMAGE, 2, 64),
+    "unet": ZooEntry(unet, _IMAGE, 1, 64),
+    "gpt": ZooEntry(gpt, _TOKENS, 2, None),
+    "mlp": ZooEntry(mlp, _FEATURES, 32, None),
 }
 
 #: Parameter counts at the defaults (1000 classes for the ImageNet models;
@@ -175,8 +184,9 @@ def get(
             f"unknown model {name!r}; valid names: {', '.join(names())}"
             f" (or 'torchvision:<name>' when torchvision is installed)"
         )
-    ctor, kind, default_b, default_s = _REGISTRY[name]
-    b = default_b if batch_size is None else batch_size
+    entry = _REGISTRY[name]
+    kind, default_s = entry.inputs, entry.input_size
+    b = entry.batch_size if batch_size is None else batch_size
 
     if kind == _FEATURES and input_size is not None:
         if "in_features" in model_kwargs and model_kwargs["in_features"] != input_size:
@@ -186,7 +196,7 @@ def get(
         model_kwargs["in_features"] = input_size
 
     torch.manual_seed(seed)
-    model = ctor(**model_kwargs)
+    model = entry.build(**model_kwargs)
     model = model.to(device=device, dtype=dtype)
 
     if kind == _IMAGE:

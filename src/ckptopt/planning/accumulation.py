@@ -1,0 +1,153 @@
+"""Reaching a target batch with gradient accumulation: micro-batch, steps, and the plan for each."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from ..simulator import simulate
+from ..units import parse_bytes
+from .batch import BatchCosts, optimizer_for, peak_and_plan, search_batch
+from .estimate import plan_recompute_share, least_recompute_plan
+from .optimizer import OptimizerMemory, accumulating_costs, step_peak
+
+__all__ = ["AccumulationOption", "TrainingPlan", "plan_training"]
+
+
+@dataclass(frozen=True)
+class AccumulationOption:
+    """One way to reach the target batch: ``steps`` micro-batches of at most ``micro_batch``.
+
+    Peaks are of the whole loop (the later micro-batches hold every gradient;
+    the optimizer step after the last). ``least_recompute`` is the plan with
+    the least recomputation whose peak fits (None when nothing fits); its
+    ``recompute_share`` is the overhead on a step.
+    """
+
+    micro_batch: int
+    steps: int
+    peak_no_checkpointing: int
+    peak_optimal: int
+    optimal_checkpoints: tuple[int, ...]
+    fits_no_checkpointing: bool
+    fits_optimal: bool
+    checkpoints: tuple[int, ...] | None
+    peak_bytes: int | None
+    recompute_share: float | None
+    plan_solver: str | None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["optimal_checkpoints"] = list(self.optimal_checkpoints)
+        d["checkpoints"] = list(self.checkpoints) if self.checkpoints is not None else None
+        return d
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """What :func:`plan_training` returns; ``recommended`` indexes ``options`` (None if nothing fits)."""
+
+    target_batch: int
+    memory_bytes: int
+    optimizer: OptimizerMemory
+    options: list[AccumulationOption] = field(default_factory=list)
+    recommended: int | None = None
+    affine: bool = True
+    traces: int = 0
+
+    @property
+    def recommendation(self) -> AccumulationOption | None:
+        return None if self.recommended is None else self.options[self.recommended]
+
+    def to_dict(self) -> dict:
+        return dict(target_batch=self.target_batch, memory_bytes=self.memory_bytes,
+                    optimizer=asdict(self.optimizer), affine=self.affine, traces=self.traces,
+                    recommended=self.recommended, options=[o.to_dict() for o in self.options])
+
+
+def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -> AccumulationOption:
+    grads = sum(bc.sizes)
+    costs = bc.costs(m)
+    acc = k > 1
+    fb_costs = accumulating_costs(costs) if acc else costs
+    stp = step_peak(costs, grads, opt)
+    p_none, _ = peak_and_plan(costs, "none", opt, grads, acc)
+    p_opt, cps_opt = peak_and_plan(costs, "optimal", opt, grads, acc, final=True)
+    chosen, peak, share, solver = None, None, None, None
+    if stp <= memory:
+        found = least_recompute_plan(fb_costs, memory - opt.state_bytes)
+        if found is not None:
+            chosen, solver = found
+            peak = max(simulate(fb_costs, chosen).peak_bytes + opt.state_bytes, stp)
+            share = plan_recompute_share(fb_costs, chosen)[1]
+    return AccumulationOption(m, k, p_none, p_opt, cps_opt, p_none <= memory, p_opt <= memory,
+                              chosen, peak, share, solver)
+
+
+def _steps_range(target: int, m_first: int, m_last: int | None, limit: int) -> list[int]:
+    """Accumulation step counts, each with a new micro-batch size, from the fewest with a micro-batch
+    of at most ``m_first`` to the fewest with at most ``m_last`` (at most ``limit`` between, then
+    that last one; without ``m_last`` the first ``limit``)."""
+    k_first = math.ceil(target / m_first)
+    k_last = max(k_first, math.ceil(target / m_last)) if m_last else target
+    ks = []
+    for k in range(k_first, k_last + 1):
+        if not ks or math.ceil(target / k) != math.ceil(target / ks[-1]):
+            ks.append(k)
+        if len(ks) >= limit:
+            break
+    if m_last and ks[-1] != k_last:
+        ks.append(k_last)
+    return ks
+
+
+def plan_training(model, example_inputs, target_batch: int, memory, optimizer: str = "adam",
+                  impl: str | None = None, device: str | None = None, loss_fn=None, leaf_modules=None,
+                  max_options: int = 8) -> TrainingPlan:
+    """Micro-batch and accumulation steps that reach ``target_batch`` within ``memory``.
+
+    For k accumulation steps the micro-batch is ``ceil(target_batch / k)`` (the
+    batch split as evenly as possible; exactly ``target_batch / k`` when k
+    divides it). Options run from the fewest steps that fit with the optimal
+    plan to the fewest that fit with no checkpointing; each gives the peak
+    with no checkpointing, with the optimal plan, and the plan with the least
+    recomputation that fits, with its overhead.
+
+    Parameters
+    ----------
+    target_batch : int
+        The batch the optimizer step should see.
+    memory : int or str
+        The memory of the device (``"8GiB"``...).
+    max_options : int, default 8
+        At most this many options between the two ends (the ends are always listed).
+    optimizer, impl, device, loss_fn, leaf_modules
+        As for :func:`estimate`.
+
+    Returns
+    -------
+    TrainingPlan
+        ``recommended``: the fewest accumulation steps, then the least
+        recomputation (the first option that fits).
+
+    Raises
+    ------
+    ValueError
+        ``target_batch`` is not a positive integer.
+    """
+    if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
+        raise ValueError(f"target_batch must be a positive integer, got {target_batch!r}")
+    mem = parse_bytes(memory)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules)
+    opt = optimizer_for(bc, optimizer, impl, device)
+    whole = _option(bc, target_batch, 1, mem, opt)
+    options = [whole]
+    if not whole.fits_no_checkpointing:
+        m_opt = search_batch(bc, "optimal", mem, opt, accumulate=True, cap=target_batch).batch
+        m_none = search_batch(bc, "none", mem, opt, accumulate=True, cap=target_batch).batch
+        if m_opt:
+            ks = _steps_range(target_batch, m_opt, m_none or None, max_options)
+            options += [_option(bc, math.ceil(target_batch / k), k, mem, opt) for k in ks if k > 1]
+    options.sort(key=lambda o: o.steps)
+    rec = next((i for i, o in enumerate(options) if o.checkpoints is not None), None)
+    return TrainingPlan(target_batch, mem, opt, options, rec, bc.affine, bc.traces)

@@ -1,0 +1,326 @@
+"""The cost model as a function of the batch size, and the largest batch that fits."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+from ..costs import ChainCosts
+from ..simulator import simulate
+from ..solvers import solve
+from ..torch_utils import Inputs, normalize_inputs
+from ..tracer import trace
+from ..units import parse_bytes
+from .estimate import OPTIMAL_SOLVER, plan_recompute_share, batch_of, optimal_plan, trainable_sizes
+from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
+
+__all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
+
+_BATCH_CAP = 1 << 24
+
+
+def with_batch(example_inputs: Any, batch: int, example_batch: int) -> Any:
+    """The example inputs resized to ``batch`` along dimension 0 (rows repeated cyclically).
+
+    Tensors whose first dimension is not the example batch are passed as they are.
+    Returns :class:`~ckptopt.torch_utils.Inputs` for ``Inputs``, else the positional
+    arguments as a tuple.
+    """
+    import torch
+
+    if not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"a batch size is a positive integer, got {batch!r}")
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 1 and t.shape[0] == example_batch:
+            idx = torch.arange(batch, device=t.device) % example_batch
+            return t.detach()[idx].requires_grad_(t.requires_grad)
+        return t
+
+    out = normalize_inputs(example_inputs).map_tensors(resize)
+    return out if isinstance(example_inputs, Inputs) else out.args
+
+
+def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
+    """(intercept, slope) of every integer field of two cost dicts, or None when not exactly affine."""
+    l1, l2 = c1["layers"], c2["layers"]
+    if l1.keys() != l2.keys() or c1.get("names") != c2.get("names"):
+        return None
+    icpt, slope = {"layers": {}}, {"layers": {}}
+    for k in l1:
+        if len(l1[k]) != len(l2[k]):
+            return None
+        if k in ("sin", "sout", "dead"):  # flags: equal at both sizes, taken as they are
+            if l1[k] != l2[k]:
+                return None
+            continue
+        icpt["layers"][k], slope["layers"][k] = [], []
+        for v1, v2 in zip(l1[k], l2[k]):
+            d = int(v2) - int(v1)
+            if d % (b2 - b1):
+                return None
+            s = d // (b2 - b1)
+            icpt["layers"][k].append(int(v1) - s * b1)
+            slope["layers"][k].append(s)
+    d = int(c2["static"]) - int(c1["static"])
+    if d % (b2 - b1):
+        return None
+    slope["static"] = d // (b2 - b1)
+    icpt["static"] = int(c1["static"]) - slope["static"] * b1
+    if "compute" in c1 and "compute" in c2:  # FLOPs per layer: affine when they can be, else as at b1
+        diffs = [int(v2) - int(v1) for v1, v2 in zip(c1["compute"], c2["compute"])]
+        if all(x % (b2 - b1) == 0 for x in diffs):
+            slope["compute"] = [x // (b2 - b1) for x in diffs]
+            icpt["compute"] = [int(v1) - s * b1 for v1, s in zip(c1["compute"], slope["compute"])]
+        else:
+            slope["compute"], icpt["compute"] = [0] * len(diffs), [int(v) for v in c1["compute"]]
+    return icpt, slope
+
+
+class BatchCosts:
+    """The cost model of a model at any batch size, from a few traces.
+
+    Every integer field is fitted as an affine function of the batch size
+    through two traced batch sizes (adjacent sizes, so the slopes are exact
+    integers) and checked against a third trace. Fields need not be affine
+    everywhere: a layer's backward transient can be a maximum of a
+    parameter-sized and an activation-sized term, so small batch sizes follow
+    another line than large ones (measured on ResNet-18 at 32x32). Callers
+    therefore confirm an answer by tracing it and re-fit (:meth:`refit`) near it.
+
+    Parameters
+    ----------
+    model : nn.Module
+    example_inputs : tuple
+        One batch; other batch sizes repeat its rows (:func:`with_batch`).
+    loss_fn, leaf_modules
+        As for :func:`ckptopt.trace`.
+    probe : tuple of three ints, default (4, 5, 16)
+        The batch sizes traced to fit the affine model (first two) and to check it.
+
+    Attributes
+    ----------
+    affine : bool
+        Whether the check at the third probe passed.
+    traces : int
+        How many traces were run.
+    refits : int
+        How many times the fit was moved near an answer.
+    """
+
+    def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16)):
+        self.model = model
+        self.inputs = normalize_inputs(example_inputs)
+        self.example_batch = batch_of(self.inputs)
+        if self.example_batch is None:
+            raise ValueError("the example inputs have no batch dimension (no tensor with a first dimension)")
+        self.loss_fn, self.leaf_modules = loss_fn, leaf_modules
+        self.traces = 0
+        self.refits = 0
+        self._traced: dict[int, Any] = {}
+        self.sizes = trainable_sizes(model)
+        b1, b2, b3 = probe
+        t1 = self.traced(b1)
+        self.names = t1.costs.names
+        self.param_bytes = t1.param_bytes
+        self._fit = None
+        self._fit_at(b1, b2)
+        self.affine = self._fit is not None and self.interpolated(b3) == self.traced(b3).costs
+
+    def _fit_at(self, b1: int, b2: int) -> bool:
+        fit = _affine(self.traced(b1).costs.to_dict(), self.traced(b2).costs.to_dict(), b1, b2)
+        if fit is not None:
+            self._fit, self._fit_batch = fit, b1
+        return fit is not None
+
+    def refit(self, batch: int) -> bool:
+        """Fit the affine model through ``batch`` and ``batch + 1`` (traced); False if the layers differ."""
+        self.refits += 1
+        return self._fit_at(batch, batch + 1)
+
+    def traced(self, batch: int):
+        """The :class:`~ckptopt.TracedModel` at ``batch`` (cached)."""
+        if batch not in self._traced:
+            inputs = with_batch(self.inputs, batch, self.example_batch)
+            try:
+                self._traced[batch] = trace(self.model, inputs, loss_fn=self.loss_fn,
+                                            leaf_modules=self.leaf_modules)
+            except Exception as exc:
+                raise type(exc)(f"tracing the model at batch size {batch} failed: {exc}") from exc
+            self.traces += 1
+        return self._traced[batch]
+
+    def interpolated(self, batch: int) -> ChainCosts:
+        """The affine model's costs at ``batch``."""
+        icpt, slope = self._fit
+        d = dict(format="ckptopt.ChainCosts", kind="full", static=icpt["static"] + slope["static"] * batch,
+                 layers={})
+        if self.names is not None:
+            d["names"] = list(self.names)
+        traced = self._traced[self._fit_batch].costs.to_dict()
+        if "compute" in icpt:
+            d["compute"] = [max(0, i + s * batch) for i, s in zip(icpt["compute"], slope["compute"])]
+        base = traced["layers"]
+        for k, v in base.items():
+            if k in ("sin", "sout", "dead"):  # flags: equal at both sizes, taken as they are
+                d["layers"][k] = v
+            else:
+                d["layers"][k] = [max(0, i + s * batch) for i, s in zip(icpt["layers"][k], slope["layers"][k])]
+        return ChainCosts.from_dict(d)
+
+    def costs(self, batch: int, trace: bool = False) -> ChainCosts:
+        """The cost model at ``batch``: traced when cached or ``trace`` (or no fit exists), else interpolated."""
+        if batch in self._traced or trace or self._fit is None:
+            return self.traced(batch).costs
+        return self.interpolated(batch)
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """The largest batch that fits under one strategy.
+
+    ``batch`` is 0 when not even batch 1 fits; ``peak_bytes`` is its predicted
+    peak, ``next_peak_bytes`` that of ``batch + 1`` (over the memory), both
+    confirmed by a trace when ``verified``.
+    """
+
+    strategy: str
+    batch: int
+    peak_bytes: int | None
+    next_peak_bytes: int | None
+    checkpoints: tuple[int, ...]
+    recompute_share: float
+    verified: bool
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["checkpoints"] = list(self.checkpoints)
+        return d
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    """What :func:`max_batch` returns."""
+
+    memory_bytes: int
+    optimizer: OptimizerMemory
+    no_checkpointing: BatchFit
+    optimal: BatchFit
+    affine: bool
+    traces: int
+
+    def to_dict(self) -> dict:
+        return dict(memory_bytes=self.memory_bytes, optimizer=asdict(self.optimizer), affine=self.affine,
+                    traces=self.traces, no_checkpointing=self.no_checkpointing.to_dict(),
+                    optimal=self.optimal.to_dict())
+
+
+def peak_and_plan(costs: ChainCosts, strategy: str, opt: OptimizerMemory, grads: int, accumulate: bool = False,
+          final: bool = False) -> tuple[int, tuple[int, ...]]:
+    """Predicted step peak and plan at this cost model; ``accumulate``: a micro-batch after the first.
+
+    During a search only the optimal peak matters (``dp2``); ``final`` picks
+    the least-recompute plan among those reaching it (:func:`optimal_plan`).
+    """
+    fb_costs = accumulating_costs(costs) if accumulate else costs
+    if strategy == "none":
+        cps = ()
+    elif final:
+        cps = optimal_plan(fb_costs, opt, step_peak(costs, grads, opt))
+    else:
+        cps = solve(fb_costs, OPTIMAL_SOLVER).checkpoints
+    fb = simulate(fb_costs, cps).peak_bytes
+    return max(fb + opt.state_bytes, step_peak(costs, grads, opt)), cps
+
+
+def largest_fitting(fits: Callable[[int], bool], cap: int = _BATCH_CAP) -> int:
+    """The largest b in 1..cap with fits(b), for a monotone predicate (0 if none). O(log b) calls."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > cap:
+        return lo if not fits(cap) else cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def search_batch(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemory, accumulate: bool = False,
+            cap: int = _BATCH_CAP, rounds: int = 4) -> BatchFit:
+    """Largest batch (<= cap) whose predicted peak fits, confirmed by tracing it and the next size.
+
+    Searched on interpolated costs; when the traces at the answer disagree,
+    the fit is moved through the answer and the search repeated (``rounds``
+    times at most), then every candidate is traced.
+    """
+    grads = sum(bc.sizes)
+
+    def peak(b: int, trace: bool = False) -> int:
+        return peak_and_plan(bc.costs(b, trace), strategy, opt, grads, accumulate)[0]
+
+    def confirmed(b: int) -> bool:
+        ok = b == 0 or peak(b, trace=True) <= memory
+        return ok and (b >= cap or peak(b + 1, trace=True) > memory)
+
+    best, verified = 0, False
+    for _ in range(rounds):
+        best = largest_fitting(lambda b: peak(b) <= memory, cap)
+        if confirmed(best):
+            verified = True
+            break
+        if not bc.refit(max(best, 1)):
+            break
+    if not verified:  # trace every candidate
+        best = largest_fitting(lambda b: peak(b, trace=True) <= memory, cap)
+        verified = True
+    if not best:
+        return BatchFit(strategy, 0, None, peak(1, trace=True), (), 0.0, verified)
+    costs = bc.costs(best, trace=True)
+    p, cps = peak_and_plan(costs, strategy, opt, grads, accumulate, final=True)
+    fb_costs = accumulating_costs(costs) if accumulate else costs
+    share = plan_recompute_share(fb_costs, cps)[1]
+    nxt = peak(best + 1, trace=True) if best < cap else None
+    return BatchFit(strategy, best, p, nxt, cps, share, verified)
+
+
+def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str | None) -> OptimizerMemory:
+    dev = device or str(next(bc.model.parameters()).device)
+    return optimizer_memory(bc.sizes, optimizer, impl, dev)
+
+
+def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str | None = None,
+              device: str | None = None, loss_fn=None, leaf_modules=None) -> MaxBatch:
+    """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
+
+    Parameters
+    ----------
+    model : nn.Module
+    example_inputs : Tensor or tuple
+        One batch of any size; other sizes repeat its rows along dimension 0.
+    memory : int or str
+        Bytes, or a size such as ``"8GiB"``, ``"8GB"``, ``"512MiB"``.
+    optimizer, impl, device, loss_fn, leaf_modules
+        As for :func:`estimate`.
+
+    Returns
+    -------
+    MaxBatch
+
+    Notes
+    -----
+    The cost model is traced at batch 2 and 3 and checked at 8; when every
+    field is affine in the batch size, candidates are scored on interpolated
+    costs (no tracing), otherwise each candidate is traced. The peak grows
+    with the batch, so the largest fitting batch is found by doubling and
+    bisection: O(log b) simulations (and ``dp2`` solves for the optimal plan).
+    The answer ``b`` and ``b + 1`` are traced to confirm the interpolation.
+    """
+    mem = parse_bytes(memory)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules)
+    opt = optimizer_for(bc, optimizer, impl, device)
+    none = search_batch(bc, "none", mem, opt)
+    best = search_batch(bc, "optimal", mem, opt)
+    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces)

@@ -1,0 +1,254 @@
+"""The predicted peak of a whole training step, optimizer included, and where it is reached."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from ..costs import ChainCosts
+from ..plan import segment_bounds
+from ..simulator import SimResult, simulate
+from ..solvers import solve
+from ..solvers.pareto import least_recompute
+from ..torch_utils import Inputs, normalize_inputs
+from ..tracer import trace
+from .optimizer import OptimizerMemory, optimizer_memory, step_peak
+
+__all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
+           "least_recompute_plan", "trainable_sizes", "batch_of", "OPTIMAL_SOLVER"]
+
+OPTIMAL_SOLVER = "dp2"
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """The bytes alive at the peak, by kind (they sum to the peak).
+
+    ``transient`` is the working memory of what runs at the peak: a layer's
+    forward temporaries; in backward its new gradients (parameter and input)
+    and temporaries; or the optimizer step's temporaries. ``gradients`` are the
+    parameter gradients already stored. ``activations`` is the rest: tensors
+    saved for backward, checkpoints, the output gradient in flight.
+    """
+
+    parameters: int
+    buffers_and_inputs: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    transient: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.buffers_and_inputs + self.gradients + self.optimizer_state
+                + self.activations + self.transient)
+
+
+@dataclass(frozen=True)
+class PeakEstimate:
+    """The predicted peak of a training step under one plan.
+
+    Attributes
+    ----------
+    label : str
+        ``"no checkpointing"``, ``"optimal plan"``, ...
+    checkpoints : tuple of int
+        The plan (segment-start layers).
+    peak_bytes : int
+        ``max(forward_backward_bytes + state, step_bytes)``.
+    forward_backward_bytes : int
+        The simulator's peak of forward, loss and backward (no optimizer state).
+    step_bytes : int
+        The optimizer step's peak (0 for no optimizer).
+    at : str
+        ``"forward"``, ``"recompute"``, ``"backward"`` or ``"optimizer step"``.
+    layer : int or None
+        The layer running at the peak (None at the optimizer step).
+    layer_name : str or None
+    breakdown : Breakdown
+    recompute_flops : int
+        Forward FLOPs re-run in backward.
+    recompute_share : float
+        ``recompute_flops / (3 * forward FLOPs)``: the overhead on a step,
+        a step taken as forward + backward = 3 forwards.
+    """
+
+    label: str
+    checkpoints: tuple[int, ...]
+    peak_bytes: int
+    forward_backward_bytes: int
+    step_bytes: int
+    at: str
+    layer: int | None
+    layer_name: str | None
+    breakdown: Breakdown
+    recompute_flops: int
+    recompute_share: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["checkpoints"] = list(self.checkpoints)
+        return d
+
+
+def plan_recompute_share(costs: ChainCosts, cps: tuple[int, ...]) -> tuple[int, float]:
+    """(forward compute re-run in backward, its share of a step = 3 forward passes)."""
+    sim = simulate(costs, cps)
+    return int(sim.recompute_flops), float(sim.recompute_share)
+
+
+def _fb_breakdown(costs: ChainCosts, cps: tuple[int, ...], sim: SimResult) -> tuple[int, int]:
+    """(gradients, transient) at the simulator's peak of forward+backward."""
+    i = sim.layer
+    end = segment_bounds(costs.n, cps)[sim.segment][1]
+    G = costs.grad_after
+    if sim.phase == "forward":
+        return 0, int(costs.f[i])
+    if sim.phase == "recompute":
+        f = costs.fs[i] if i == end else costs.f[i]
+        return int(G[end]), int(f)
+    return int(G[i]), int(costs.b[i])
+
+
+def peak_estimate(costs: ChainCosts, cps: Sequence[int], opt: OptimizerMemory, param_bytes: int,
+                  grad_bytes: int, label: str = "") -> PeakEstimate:
+    """Peak and breakdown of a training step under plan ``cps`` (see the module note).
+
+    Parameters
+    ----------
+    costs : ChainCosts
+        The traced cost model (static = parameters + buffers + inputs).
+    cps : sequence of int
+        The plan.
+    opt : OptimizerMemory
+    param_bytes, grad_bytes : int
+        Parameter bytes (in ``costs.static``) and gradient bytes of the trainable ones.
+    """
+    cps = tuple(int(c) for c in cps)
+    sim = simulate(costs, cps)
+    fb = sim.peak_bytes
+    stp = step_peak(costs, grad_bytes, opt)
+    redo, share = plan_recompute_share(costs, cps)
+    other_static = costs.static - param_bytes
+    if fb + opt.state_bytes >= stp:
+        grads, transient = _fb_breakdown(costs, cps, sim)
+        acts = fb - costs.static - grads - transient
+        at, layer = sim.phase, sim.layer
+    else:
+        grads, transient = grad_bytes, opt.step_transient_bytes
+        acts = int(costs.a[-1])  # the loss scalar
+        at, layer = "optimizer step", None
+    bd = Breakdown(param_bytes, other_static, grads, opt.state_bytes, acts, transient)
+    peak = max(fb + opt.state_bytes, stp)
+    assert bd.total == peak, (bd, peak)
+    name = costs.names[layer] if (layer is not None and costs.names is not None) else None
+    return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share)
+
+
+def optimal_plan(costs: ChainCosts, opt: OptimizerMemory, step_bytes: int) -> tuple[int, ...]:
+    """The plan with the lowest step peak and, among those, the least recomputation.
+
+    The lowest forward+backward peak (``dp2``) plus the optimizer state may
+    lie below the optimizer step's peak; then any plan up to that level gives
+    the same step peak, and the one with the least recomputation (the
+    ``budget`` solver) is returned, often no checkpointing at all.
+
+    Parameters
+    ----------
+    costs : ChainCosts
+        The forward+backward cost model (:func:`accumulating_costs` for micro-batches after the first).
+    opt : OptimizerMemory
+    step_bytes : int
+        The optimizer step's peak (:func:`step_peak` of the plain cost model).
+    """
+    best = solve(costs, OPTIMAL_SOLVER)
+    target = max(best.peak_bytes + opt.state_bytes, step_bytes)
+    found = least_recompute_plan(costs, target - opt.state_bytes)
+    return found[0] if found is not None else best.checkpoints
+
+
+def least_recompute_plan(costs: ChainCosts, budget: int) -> tuple[tuple[int, ...], str] | None:
+    """The plan with the least recomputation whose forward+backward peak is at most ``budget``
+    (every segment but the last checkpointed), None when no plan fits."""
+    if solve(costs, "none").peak_bytes <= budget:
+        return (), "none"
+    # checkpoint-only plans: the plans here are carried as checkpoint tuples, so the budget
+    # solver's unwrapped middle segments (Plan.stored) are not used yet
+    found = least_recompute(costs, budget, allow_stored=False)
+    return (found[0], "budget") if found is not None else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What :func:`estimate` returns: the step's peak with no checkpointing and with the optimal plan."""
+
+    batch_size: int | None
+    n_layers: int
+    optimizer: OptimizerMemory
+    param_bytes: int
+    grad_bytes: int
+    no_checkpointing: PeakEstimate
+    optimal: PeakEstimate
+
+    def to_dict(self) -> dict:
+        return dict(batch_size=self.batch_size, n_layers=self.n_layers, optimizer=asdict(self.optimizer),
+                    param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
+                    no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
+
+
+def trainable_sizes(model) -> list[int]:
+    """Bytes of each distinct trainable parameter, in ``model.parameters()`` order."""
+    seen, out = set(), []
+    for p in model.parameters():
+        key = p.untyped_storage().data_ptr()
+        if p.requires_grad and key not in seen:
+            seen.add(key)
+            out.append(p.untyped_storage().nbytes())
+    return out
+
+
+def batch_of(inputs: Inputs) -> int | None:
+    """The batch size: the first dimension of the first input tensor that has one."""
+    return next((int(t.shape[0]) for t in inputs.tensors() if t.dim() >= 1), None)
+
+
+def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = None, device: str | None = None,
+             loss_fn: Callable | None = None, leaf_modules=None) -> Estimate:
+    """Predicted peak of one training step, optimizer step included, without and with the optimal plan.
+
+    Parameters
+    ----------
+    model : nn.Module
+        In training mode, on the device and in the dtype it will train in.
+    example_inputs : Tensor or tuple
+        One batch (only shapes and dtypes are used: the model is traced on fake tensors).
+    optimizer : str, default "adam"
+        ``none`` (forward and backward only), ``sgd``, ``sgd-momentum`` (0.9),
+        ``adam`` or ``adamw``, with PyTorch's default arguments otherwise.
+    impl : str, optional
+        ``for-loop`` or ``foreach`` optimizer step; default PyTorch's default on ``device``.
+    device : str, optional
+        Default: the model's device.
+    loss_fn, leaf_modules
+        As for :func:`ckptopt.trace`.
+
+    Returns
+    -------
+    Estimate
+
+    Notes
+    -----
+    The memory model and its assumptions are the module's note. The optimal
+    plan is the one with the lowest forward+backward peak (``dp2``); the
+    optimizer's figures do not depend on the plan.
+    """
+    inputs = normalize_inputs(example_inputs)
+    tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    sizes = trainable_sizes(model)
+    dev = device or str(next(model.parameters()).device)
+    opt = optimizer_memory(sizes, optimizer, impl, dev)
+    grads = sum(sizes)
+    none = peak_estimate(tm.costs, (), opt, tm.param_bytes, grads, "no checkpointing")
+    cps = optimal_plan(tm.costs, opt, step_peak(tm.costs, grads, opt))
+    optimal = peak_estimate(tm.costs, cps, opt, tm.param_bytes, grads, "optimal plan")
+    return Estimate(batch_of(inputs), tm.n, opt, tm.param_bytes, grads, none, optimal)

@@ -1,0 +1,223 @@
+"""Compiled (numba, nopython) kernels of the simulator, shared with the solvers.
+
+Every kernel reads :class:`ckptopt.costs.KernelArrays` ``K`` by field name, plus
+``full`` (False for the additive form, where only the backward term exists).
+
+The memory model (``docs/design.md`` §3-4), relative to the static bytes and to
+the checkpoints held by earlier segments, for a segment ``[l, r]`` with
+``H(l, i) = K.P[i] - K.P[l]`` (what layers ``l..i-1`` leave saved, by storage):
+
+* backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
+  ``qb[i]`` alone for the trailing layers after its last saving layer (their
+  backward reads no saved tensor, so it runs before the recomputation), and
+  ``qbk`` for its first layer (the checkpoint holds its input);
+* forward at i (wrapped segment): ``f[l]`` at ``i = l``, ``fw[i]`` after;
+* recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])`` for ``i``
+  up to the last layer the recomputation runs (:func:`recompute_span`), which
+  counts its transient only up to its last saved tensor (``fs``/``qs``);
+* forward at i of an unwrapped segment (the last, or a stored one):
+  ``f[l] | H(l, i) + qf[i]`` (it keeps what it saves instead of recomputing).
+
+A plan's peak is ``static + max_k (sum_{j<=k} c_j + D(l_k, r_k))`` with ``c_j`` the
+checkpoint segment ``j`` holds (:func:`held_checkpoint`). An input nothing holds is
+still live while the segment's first layer runs, so the forward term at ``i = l``
+then adds it (``live_in``). Phase codes: 0 forward, 1 recompute, 2 backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..costs import KernelArrays
+
+__all__ = ["NEG", "BIG", "held_checkpoint", "recompute_span", "segment_peak", "simulate_plan",
+           "plan_recompute", "warmup"]
+
+NEG = -(1 << 62)
+BIG = 1 << 62
+
+
+@njit(cache=True)
+def held_checkpoint(l, r, unwrapped, full, K):
+    """Bytes segment ``[l, r]`` holds as its checkpoint (0 for the first segment). O(r - l).
+
+    A checkpointed segment holds its input only if it saves at least one tensor (the
+    checkpoint frame is referenced only by its saved tensors); an unwrapped segment
+    (the last, or a stored one) only if its first layer saves its input.
+    """
+    if l == 0:
+        return 0
+    if not full:
+        return K.ck[l]
+    if unwrapped:
+        return K.ck[l] if K.sin[l] != 0 else 0
+    for i in range(l, r + 1):
+        if K.saves[i] != 0:
+            return K.ck[l]
+    return 0
+
+
+@njit(cache=True)
+def recompute_span(l, r, K):
+    """Where the recomputation of the checkpointed segment ``[l, r]`` starts and stops. O(r - l).
+
+    Returns ``(trigger, end, partial)``:
+
+    * ``trigger``: the last layer that saves a tensor (``l - 1`` if none). Its
+      backward is the first to read a saved tensor, so the recomputation runs
+      then; the backward of the layers after it runs before, without the
+      segment's saved tensors.
+    * ``end``: the last layer the recomputation runs (``l - 1``: none). PyTorch's
+      non-reentrant checkpoint stops once it has re-packed as many tensors as the
+      forward packed, a dead branch's included (``ext``); a last layer that only
+      saves its input is not run (its input pack precedes its compute).
+    * ``partial``: ``end`` runs only up to its last saved tensor (``fs``).
+
+    Full form only (the additive form re-runs a segment whole).
+    """
+    trigger = l - 1
+    for i in range(r, l - 1, -1):
+        if K.saves[i] != 0:
+            trigger = i
+            break
+    e = l - 1
+    if trigger >= l:
+        for i in range(r, trigger - 1, -1):
+            if K.ext[i] != 0:
+                e = i
+                break
+    partial = e >= l and K.runs[e] != 0
+    if e >= l and K.runs[e] == 0:
+        e -= 1
+    return trigger, e, partial
+
+
+@njit(cache=True)
+def segment_peak(l, r, unwrapped, full, K, live_in):
+    """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
+
+    ``live_in``: bytes of the segment's input that no checkpoint holds but that
+    are live while its first layer runs forward.
+    """
+    Pl = K.P[l]
+    best = NEG
+    phase = -1
+    layer = -1
+    trigger = r  # backward terms after this layer are taken without the segment's saves
+    if full:
+        v = K.f[l] + live_in
+        if v > best:
+            best, phase, layer = v, 0, l
+        if unwrapped:
+            for i in range(l + 1, r + 1):
+                v = K.P[i] - Pl + K.qf[i]
+                if v > best:
+                    best, phase, layer = v, 0, i
+        else:
+            for i in range(l + 1, r + 1):
+                v = K.fw[i]
+                if v > best:
+                    best, phase, layer = v, 0, i
+            trigger, e, partial = recompute_span(l, r, K)
+            base = K.rb[r]
+            for i in range(l, e + 1):
+                stop = partial and i == e
+                if i == l:
+                    v = base + (K.fs[l] if stop else K.f[l])
+                else:
+                    v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
+                if v > best:
+                    best, phase, layer = v, 1, i
+    for i in range(r, l - 1, -1):
+        q = K.qb[i]
+        if i == l and l > 0 and not unwrapped:  # its input stays held by the checkpoint
+            q = K.qbk[i]
+        v = K.P[i] - Pl + q if i <= trigger else q
+        if v > best:
+            best, phase, layer = v, 2, i
+    return best, phase, layer
+
+
+@njit(cache=True)
+def simulate_plan(starts, stored, n, full, K):
+    """Peak of the plan whose segments start at ``starts`` (sorted, starts[0] == 0).
+
+    ``stored[k] != 0``: segment ``k`` (not the last) is left unwrapped: it runs
+    like the last segment (keeps what its layers save, no recomputation) and
+    holds those tensors, ``P[r] - P[l] + keep[r]``, while every later segment
+    runs; when it keeps its output, the next segment's input is already held.
+    Returns (peak without static, phase, layer, segment). O(n).
+    """
+    held = 0
+    best = NEG
+    phase = -1
+    layer = -1
+    seg = -1
+    m = starts.shape[0]
+    prev_keeps = False
+    for k in range(m):
+        l = starts[k]
+        r = starts[k + 1] - 1 if k + 1 < m else n - 1
+        last = k == m - 1
+        st = last or stored[k] != 0
+        if prev_keeps:
+            c = 0
+            live_in = 0
+        else:
+            c = held_checkpoint(l, r, st, full, K)
+            live_in = K.ck[l] - c if k > 0 else 0
+        held += c
+        v, ph, ly = segment_peak(l, r, st, full, K, live_in)
+        v += held
+        if v > best:
+            best, phase, layer, seg = v, ph, ly, k
+        if st and not last:
+            held += K.P[r] - K.P[l] + K.keep[r]
+            prev_keeps = K.sout[r] != 0
+        else:
+            prev_keeps = False
+    return best, phase, layer, seg
+
+
+@njit(cache=True)
+def plan_recompute(starts, stored, n, full, K, Cpre):
+    """Compute a plan adds by re-running its checkpointed segments in backward. O(n)."""
+    total = 0
+    m = starts.shape[0]
+    for k in range(m - 1):
+        if stored[k] != 0:
+            continue
+        l = starts[k]
+        r = starts[k + 1] - 1
+        if not full:
+            total += Cpre[r + 1] - Cpre[l]
+            continue
+        e = recompute_span(l, r, K)[1]
+        if e >= l:
+            total += Cpre[e + 1] - Cpre[l]
+    return total
+
+
+def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
+    """A small instance with the array types of real cost models (for compiling kernels)."""
+    z = np.zeros(n, dtype=np.int64)
+    one = np.ones(n, dtype=np.int64)
+    K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
+                        one, one)
+    cpre = np.arange(n + 1, dtype=np.int64)
+    cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
+    return K, cpre
+
+
+def warmup() -> None:
+    """Compile (or load from the on-disk cache) the simulator's kernels."""
+    K, cpre = tiny_instance()
+    n = K.a.shape[0]
+    for full in (True, False):
+        for unwrapped in (True, False):
+            held_checkpoint(1, n - 1, unwrapped, full, K)
+            segment_peak(0, n - 1, unwrapped, full, K, 0)
+        recompute_span(0, n - 1, K)
+        simulate_plan(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K)
+        plan_recompute(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K, cpre)

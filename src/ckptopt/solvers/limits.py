@@ -1,0 +1,34 @@
+"""Size thresholds of the solvers, in one place.
+
+Each figure is where a solver or a pass stops being worth its time on a
+2-core machine (``benchmarks/solver_scaling.py``, ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+__all__ = ["BRUTE_MAX_N", "DP_ROUTINE_MAX_N", "AUTO_EXACT_MAX_N", "TIE_BREAK_MAX_WORK", "FRONT_FALLBACK_MAX_N",
+           "within_tie_break"]
+
+#: ``brute`` tries all 2^(n-1) plans and refuses larger instances.
+BRUTE_MAX_N = 20
+
+#: The CLI runs the O(n^3) ``dp`` by default only up to this size (about 0.5 s at n = 1,000).
+DP_ROUTINE_MAX_N = 2_000
+
+#: ``solver="auto"`` uses the exact O(n^2) ``dp2`` up to this size (about a second at
+#: n = 15,000) and the O(n) ``linear`` beyond.
+AUTO_EXACT_MAX_N = 15_000
+
+#: Work limit (candidate points generated) of the least-recompute tie-break of dp/dp2 and of
+#: the default plan's stored-segment pass: about 0.1-0.4 s; the zoo models need a few thousand.
+TIE_BREAK_MAX_WORK = 2_000_000
+
+#: When the ``budget`` solver finds nothing, the smallest achievable peak it reports comes from
+#: the whole Pareto front (plans with stored segments) up to this size, from ``dp2`` beyond.
+FRONT_FALLBACK_MAX_N = 2_000
+
+
+def within_tie_break(n: int) -> bool:
+    """Whether the bounded O(n^2 F) passes run at all for ``n`` layers: beyond about 2,800
+    layers their O(n^2) part alone would pass :data:`TIE_BREAK_MAX_WORK`."""
+    return n * n <= 4 * TIE_BREAK_MAX_WORK

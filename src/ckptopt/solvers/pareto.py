@@ -1,0 +1,352 @@
+"""The Pareto program: every (peak, recomputation) trade-off, and the least recomputation.
+
+A plan's *recomputation* is the forward compute its checkpointed segments run
+again in backward (:attr:`ChainCosts.c` summed over
+:func:`~ckptopt.simulator.recomputed_layers`). Two questions use it:
+
+* among the plans with the lowest peak, which recomputes least (the
+  lexicographic objective of ``dp``, ``dp2`` and ``brute``);
+* under a memory budget ``B``, which plan recomputes least (the ``budget``
+  solver, :func:`ckptopt.solvers.policy.budget`).
+
+Both are answered by :func:`pareto_plans`, an exact dynamic program over Pareto
+fronts of (peak, recomputation) pairs, with a cap on the peak; ``linear`` uses an
+O(n log n) special case of the additive form (:mod:`ckptopt.solvers.linear`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ..costs import ChainCosts
+from ..simulator.kernels import BIG, held_checkpoint
+from .rows import grow, segment_row, with_live_in
+
+__all__ = ["FrontPoint", "pareto_front", "least_recompute", "merge_unwrapped", "FrontTooLarge"]
+
+
+class FrontPoint(NamedTuple):
+    """One point of the (peak, recomputation) trade-off curve, with its plan."""
+
+    peak_bytes: int
+    recompute: int
+    checkpoints: tuple[int, ...]
+    stored: tuple[int, ...]
+
+
+class FrontTooLarge(Exception):
+    """The Pareto program passed its work limit (internal; callers fall back)."""
+
+
+def pareto_front(
+    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0
+) -> list[FrontPoint]:
+    """Every plan that is Pareto-optimal in (peak, recomputation).
+
+    Parameters
+    ----------
+    costs : ChainCosts
+    max_peak : int, optional
+        Keep only plans whose peak (static bytes included) is at most this.
+    max_work : int
+        Internal: stop (raising ``FrontTooLarge``) after generating this many
+        candidate points; 0 for no limit.
+    allow_stored : bool
+        Let segments other than the last be left unwrapped ("stored": they
+        keep what they save and re-run nothing, as rotor's forward-all step).
+        With False, every segment but the last is checkpointed, the plans
+        of ``dp``, ``dp2`` and ``linear``. Ignored for the additive form,
+        which does not say what a layer keeps of what it produces.
+
+    Returns
+    -------
+    list of FrontPoint
+        ``(peak_bytes, recompute, checkpoints, stored)``, sorted by peak ascending; recomputation strictly decreases along the
+        list. ``stored`` lists the start layers of the unwrapped segments
+        (see :func:`ckptopt.simulate`). The first entry is the lowest-peak
+        plan that recomputes least; the last recomputes nothing.
+
+    Notes
+    -----
+    Exact (see :func:`pareto_plans`); time O(n^2 F) with F
+    the front size, which a cap near the optimum keeps small.
+    """
+    cap = BIG if max_peak is None else int(max_peak) - costs.static
+    if cap < 0:
+        return []
+    peaks, recs, flat, offsets, sflat, soffsets, complete = pareto_plans(
+        costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix, cap,
+        bool(allow_stored) and not costs.is_additive, int(max_work),
+    )
+    if not complete:
+        raise FrontTooLarge(f"more than {max_work} candidate points")
+    out = []
+    for k, (p, r) in enumerate(zip(peaks, recs)):
+        plan = tuple(int(x) for x in flat[offsets[k]:offsets[k + 1]])
+        stored = tuple(int(x) for x in sflat[soffsets[k]:soffsets[k + 1]])
+        out.append(FrontPoint(int(p) + costs.static, int(r), *merge_unwrapped(plan, stored)))
+    return out
+
+
+def merge_unwrapped(checkpoints: tuple[int, ...], stored: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Drop the boundaries between consecutive unwrapped segments (stored or last).
+
+    Two adjacent unwrapped segments keep exactly what one segment spanning
+    both keeps (each layer's saved tensors, the boundary tensor once), so
+    the merged plan has the same peak and recomputation (the tests check it
+    with the simulator) and fewer segments.
+    """
+    starts = (0,) + tuple(checkpoints)
+    kept = set(stored)
+    unwrapped = [s in kept or k == len(starts) - 1 for k, s in enumerate(starts)]
+    new_starts = [starts[0]]
+    new_unwrapped = [unwrapped[0]]
+    for s, u in zip(starts[1:], unwrapped[1:]):
+        if u and new_unwrapped[-1]:
+            continue  # merge into the previous unwrapped segment
+        new_starts.append(s)
+        new_unwrapped.append(u)
+    last = len(new_starts) - 1
+    return (tuple(new_starts[1:]),
+            tuple(s for k, (s, u) in enumerate(zip(new_starts, new_unwrapped)) if u and k != last))
+
+
+def least_recompute(
+    costs: ChainCosts, max_peak: int, allow_stored: bool = True, max_work: int = 0
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(checkpoints, stored)`` of the plan with the least recomputation whose peak is at most
+    ``max_peak`` (the lowest such peak among ties); None if no plan fits."""
+    front = pareto_front(costs, max_peak, allow_stored, max_work)
+    return (front[-1].checkpoints, front[-1].stored) if front else None
+
+
+# --------------------------------------------------------------------------
+# compiled engine
+# --------------------------------------------------------------------------
+@njit(cache=True)
+def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
+    """``Hmin[2*l + flag]``: the least bytes held before layer ``l`` over the
+    plans whose segments before ``l`` all stay within ``cap`` (BIG when none);
+    ``flag`` = 1 when the segment before ``l`` is stored and keeps ``x_{l-1}``.
+
+    A lower bound on what any plan within ``cap`` holds there: a smaller held
+    amount admits every continuation a larger one admits, so the minimum over
+    predecessors is exact for reachability. O(n^2).
+    """
+    Hmin = np.full(2 * n + 2, BIG, dtype=np.int64)
+    Hmin[0] = 0
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    for l in range(n - 1):
+        if Hmin[2 * l] >= BIG and Hmin[2 * l + 1] >= BIG:
+            continue
+        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+        hu = held_checkpoint(l, l, True, full, K)
+        for flag in range(2):
+            H = Hmin[2 * l + flag]
+            if H >= BIG:
+                continue
+            for r in range(l, n - 1):
+                c = 0 if flag else hold[r]
+                if H + c + with_live_in(l, c, flag, Dc[r], K) <= cap and H + c < Hmin[2 * (r + 1)]:
+                    Hmin[2 * (r + 1)] = H + c
+                if allow_stored:
+                    c = 0 if flag else hu
+                    if H + c + with_live_in(l, c, flag, Ds[r], K) <= cap:
+                        h2 = H + c + K.P[r] - K.P[l] + K.keep[r]
+                        s2 = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)
+                        if h2 < Hmin[s2]:
+                            Hmin[s2] = h2
+    return Hmin
+
+
+@njit(cache=True)
+def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
+    """Every plan that is Pareto-optimal in (peak, recomputation) with peak <= cap.
+
+    ``F(l, flag)``: the Pareto front of the suffix plans from layer ``l`` (a
+    segment starting at ``l``; ``flag`` = 1 when the previous segment is stored
+    and keeps ``l``'s input), as ``(relative peak, recompute)`` pairs sorted by
+    peak ascending and recomputation strictly descending. With ``c`` the
+    segment's hold (0 when ``flag``), ``D`` its peak and ``S`` what a stored
+    segment keeps::
+
+        checkpointed [l, r]: (c + max(Dc, p'),     rec(l, r) + R')  for (p', R') in F(r+1, 0)
+        stored [l, r]:       (c + max(Ds, S + p'), R')              for (p', R') in F(r+1, sout[r])
+        last [l, n-1]:       (c + Ds, 0)
+
+    A suffix enters only through ``max`` and ``+``, both monotone, so a
+    dominated suffix never helps: the recurrence is exact. For a fixed ``r``
+    the suffix points below ``D`` give the same peak, so only the last of them
+    (least recomputation) is a candidate. Points whose peak, added to the
+    least bytes any plan within ``cap`` holds before ``l``
+    (:func:`min_held_prefix`), exceed ``cap`` are dropped.
+
+    Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
+    stored_offsets, complete)`` for the front at layer 0 (peaks relative to
+    the static bytes): plan ``k``'s segment starts after 0 and the starts of
+    its stored segments. Time O(n^2 F), F the front size. With ``max_work >
+    0`` the program stops once it has generated that many candidate points
+    and returns ``complete = False`` with an empty front.
+    """
+    Hmin = min_held_prefix(n, full, K, Cpre, cap, allow_stored)
+    Dc = np.empty(n, dtype=np.int64)
+    Ds = np.empty(n, dtype=np.int64)
+    hold = np.empty(n, dtype=np.int64)
+    rec = np.empty(n, dtype=np.int64)
+    size = 1024
+    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, next point, kind
+    pr = np.empty(size, dtype=np.int64)
+    pc = np.empty(size, dtype=np.int64)
+    pn = np.empty(size, dtype=np.int64)
+    pk = np.empty(size, dtype=np.int64)
+    used = 0
+    first = np.zeros(2 * n + 2, dtype=np.int64)
+    count = np.zeros(2 * n + 2, dtype=np.int64)
+    cp = np.empty(64, dtype=np.int64)  # candidates of one state
+    cr = np.empty(64, dtype=np.int64)
+    cc = np.empty(64, dtype=np.int64)
+    cn = np.empty(64, dtype=np.int64)
+    ck_ = np.empty(64, dtype=np.int64)
+    work = 0
+    for l in range(n - 1, -1, -1):
+        row_done = False
+        hu = held_checkpoint(l, l, True, full, K)
+        for flag in range(2):
+            st = 2 * l + flag
+            first[st] = used
+            if Hmin[st] >= BIG:
+                continue
+            if not row_done:
+                segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+                row_done = True
+            work += n - l
+            limit = cap - Hmin[st]
+            m = 0
+            for r in range(l, n):
+                if r == n - 1 and m + 1 > cp.shape[0]:
+                    cp, cr, cc, cn, ck_ = grow(cp, m + 2), grow(cr, m + 2), grow(cc, m + 2), grow(cn, m + 2), grow(ck_, m + 2)
+                if r == n - 1:
+                    c = 0 if flag else hu
+                    d = with_live_in(l, c, flag, Ds[r], K)
+                    if c + d <= limit:
+                        cp[m] = c + d
+                        cr[m] = 0
+                        cc[m] = r
+                        cn[m] = -1
+                        ck_[m] = 2
+                        m += 1
+                    continue
+                for kind in range(2):
+                    if kind == 1 and not allow_stored:
+                        break
+                    if kind == 0:
+                        c = 0 if flag else hold[r]
+                        d = with_live_in(l, c, flag, Dc[r], K)
+                        extra = 0
+                        rc = rec[r]
+                        nxt = 2 * (r + 1)
+                    else:
+                        c = 0 if flag else hu
+                        d = with_live_in(l, c, flag, Ds[r], K)
+                        extra = K.P[r] - K.P[l] + K.keep[r]
+                        rc = 0
+                        nxt = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)
+                    if c + d > limit:
+                        continue
+                    s0 = first[nxt]
+                    kk = count[nxt]
+                    # j: the first suffix point above d - extra (peaks ascend: binary search)
+                    lo = 0
+                    hi = kk
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if extra + pp[s0 + mid] <= d:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    j = lo
+                    work += 1
+                    need = m + kk - j + 2
+                    if need > cp.shape[0]:
+                        cp, cr, cc, cn, ck_ = grow(cp, need), grow(cr, need), grow(cc, need), grow(cn, need), grow(ck_, need)
+                    if j > 0:
+                        cp[m] = c + d
+                        cr[m] = rc + pr[s0 + j - 1]
+                        cc[m] = r
+                        cn[m] = s0 + j - 1
+                        ck_[m] = kind
+                        m += 1
+                    while j < kk and c + extra + pp[s0 + j] <= limit:
+                        cp[m] = c + extra + pp[s0 + j]
+                        cr[m] = rc + pr[s0 + j]
+                        cc[m] = r
+                        cn[m] = s0 + j
+                        ck_[m] = kind
+                        m += 1
+                        j += 1
+                    if max_work > 0 and work + m > max_work:
+                        e = np.empty(0, dtype=np.int64)
+                        return e, e, e, np.zeros(1, dtype=np.int64), e, np.zeros(1, dtype=np.int64), False
+            if m == 0:
+                continue
+            work += m
+            o1 = np.argsort(cr[:m], kind="mergesort")
+            o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
+            if used + m > pp.shape[0]:
+                pp = grow(pp, used + m)
+                pr = grow(pr, used + m)
+                pc = grow(pc, used + m)
+                pn = grow(pn, used + m)
+                pk = grow(pk, used + m)
+            best_r = BIG
+            for t in range(m):
+                i = o2[t]
+                if cr[i] < best_r:
+                    best_r = cr[i]
+                    pp[used] = cp[i]
+                    pr[used] = cr[i]
+                    pc[used] = cc[i]
+                    pn[used] = cn[i]
+                    pk[used] = ck_[i]
+                    used += 1
+            count[st] = used - first[st]
+    k0 = count[0]
+    peaks = pp[first[0]: first[0] + k0].copy()
+    recs = pr[first[0]: first[0] + k0].copy()
+    offsets = np.zeros(k0 + 1, dtype=np.int64)
+    soffsets = np.zeros(k0 + 1, dtype=np.int64)
+    flat = np.empty(max(1, k0 * n), dtype=np.int64)
+    sflat = np.empty(max(1, k0 * n), dtype=np.int64)
+    tot = 0
+    stot = 0
+    for t in range(k0):
+        idx = first[0] + t
+        start = 0
+        while True:
+            r = pc[idx]
+            if pk[idx] == 1:
+                sflat[stot] = start
+                stot += 1
+            if r == n - 1 or pn[idx] < 0:
+                break
+            flat[tot] = r + 1
+            tot += 1
+            start = r + 1
+            idx = pn[idx]
+        offsets[t + 1] = tot
+        soffsets[t + 1] = stot
+    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets, True
+
+
+def warmup(K, cpre) -> None:
+    """Compile this module's kernels on a tiny instance."""
+    n = K.a.shape[0]
+    for full in (True, False):
+        for allow in (True, False):
+            pareto_plans(n, full, K, cpre, BIG, allow, 0)

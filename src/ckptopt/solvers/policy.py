@@ -1,0 +1,107 @@
+"""The ``auto`` policy: the plan ckptopt picks when the user names no solver.
+
+One function, :func:`auto`, used by :func:`ckptopt.optimize_checkpoints`, the CLI
+and the planning helpers (through ``solve(costs, "auto", budget)``):
+
+* with a budget: the ``budget`` solver (:func:`budget`), the plan with the least
+  recomputation whose peak fits, middle segments possibly left unwrapped;
+* without: the lowest peak, exact (``dp2``) up to
+  :data:`~ckptopt.solvers.limits.AUTO_EXACT_MAX_N` layers and ``linear`` beyond, the
+  least recomputation among the plans reaching it; then, where the pass is cheap
+  enough (:func:`~ckptopt.solvers.limits.within_tie_break`), plans that also leave
+  middle segments unwrapped (:func:`improve_with_stored`): label ``"dp2+stored"``
+  when one has a lower (peak, recomputation).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..costs import ChainCosts
+from ..errors import InfeasibleBudget
+from ..plan import Plan, Solution
+from ..simulator import plan_recompute, simulate
+from .exact import dp2
+from .limits import AUTO_EXACT_MAX_N, FRONT_FALLBACK_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
+from .linear import linear
+from .pareto import FrontPoint, FrontTooLarge, least_recompute, pareto_front
+
+__all__ = ["auto", "budget", "improve_with_stored"]
+
+
+def budget(costs: ChainCosts, limit: int | None) -> Solution:
+    """The ``budget`` solver: least recomputation among plans peaking at most ``limit`` (exact).
+
+    Plans may leave middle segments unwrapped (:attr:`Plan.stored`).
+
+    Raises
+    ------
+    ValueError
+        Without a budget.
+    InfeasibleBudget
+        With the smallest achievable peak, when no plan fits.
+    """
+    if limit is None:
+        raise ValueError("solver 'budget' needs a memory budget: solve(costs, 'budget', budget=BYTES)")
+    found = least_recompute(costs, limit)
+    if found is None:
+        if costs.n <= FRONT_FALLBACK_MAX_N:
+            lowest = pareto_front(costs, None)[0].peak_bytes
+        else:
+            lowest = dp2(costs).optimum
+        raise InfeasibleBudget(limit, lowest)
+    return Solution(found[0], None, found[1], "budget")
+
+
+def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],
+                 peak: int) -> FrontPoint | None:
+    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's."""
+    if costs.is_additive or not within_tie_break(costs.n):
+        return None
+    try:
+        front = pareto_front(costs, peak, allow_stored=True, max_work=TIE_BREAK_MAX_WORK)
+    except FrontTooLarge:
+        return None
+    if not front:  # cannot happen: the given plan itself is within the cap
+        return None
+    best = front[0]
+    if (best.peak_bytes, best.recompute) >= (peak, plan_recompute(costs, checkpoints, stored)):
+        return None
+    if simulate(costs, best.checkpoints, best.stored).peak_bytes != best.peak_bytes:
+        raise RuntimeError(
+            f"internal error: the stored-segment pass reports a peak of {best.peak_bytes} bytes that the "
+            "simulator does not reproduce; please report this with the cost model (ChainCosts.to_json)"
+        )
+    return best
+
+
+def improve_with_stored(costs: ChainCosts, plan: Plan) -> Plan:
+    """``plan`` (an optimum of the checkpoint-only plans), or a better plan that leaves middle
+    segments unwrapped ("stored", :attr:`Plan.stored`).
+
+    Over plans with stored segments the lowest peak can be lower (rotor's forward-all step;
+    1.8% on the MLP of ``benchmarks/budget_curve.py``) and, at the same peak, the recomputation
+    smaller. The Pareto program capped at ``plan``'s peak finds the lowest (peak, recomputation)
+    there; its plan is returned when strictly better, ``plan`` otherwise. The pass is bounded
+    like ``dp2``'s tie-break (``TIE_BREAK_MAX_WORK``) and skipped for the additive form, which
+    does not say what a layer keeps.
+    """
+    t0 = time.perf_counter()
+    best = _stored_pass(costs, plan.checkpoints, plan.stored, plan.peak_bytes)
+    if best is None:
+        return plan
+    return Plan(best.checkpoints, best.peak_bytes, plan.solver + "+stored",
+                plan.solve_seconds + time.perf_counter() - t0, costs.n, best.stored)
+
+
+def auto(costs: ChainCosts, limit: int | None = None) -> Solution:
+    """The plan ``solver="auto"`` picks (see the module docstring)."""
+    if limit is not None:
+        return budget(costs, limit)
+    if costs.n > AUTO_EXACT_MAX_N:
+        return linear(costs)._replace(label="linear")
+    sol = dp2(costs)
+    best = _stored_pass(costs, sol.checkpoints, (), sol.optimum)
+    if best is None:
+        return sol._replace(label="dp2")
+    return Solution(best.checkpoints, best.peak_bytes, best.stored, "dp2+stored")

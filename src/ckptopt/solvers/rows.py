@@ -1,0 +1,140 @@
+"""Compiled building blocks shared by the exact program (``dp2``) and the Pareto program.
+
+:func:`segment_row` gives the cost of every segment ``[l, r]`` for one ``l`` in
+O(n - l): the terms of :func:`ckptopt.simulator.kernels.segment_peak` kept as
+running maxima as ``r`` grows. Its recomputation end is the rule of
+:func:`ckptopt.simulator.kernels.recompute_span` followed incrementally (the
+end only moves forward with ``r``); ``dp2`` against ``dp`` and ``brute``, which call
+the simulator's kernels, checks the two agree (``tests/test_solvers.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..simulator.kernels import NEG
+
+__all__ = ["segment_row", "with_live_in", "plan_from_choice", "grow"]
+
+
+@njit(cache=True)
+def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
+    """Every segment ``[l, r]``, r = l..n-1, in O(n - l): each entry costs O(1)
+    after the previous one (running maxima; the recomputation term is ``rb[r]``
+    plus a running maximum taken up to the last layer the recomputation
+    runs, which only moves forward with ``r``).
+
+    Fills, relative to the segment's checkpoints and without the live-input
+    term (the caller adds ``ck[l] + f[l]`` when nothing holds the input):
+
+    * ``Dc[r]``: peak of the segment checkpointed (r < n-1);
+    * ``Ds[r]``: peak of the segment run unwrapped (the last segment, or a
+      stored one): its forward keeps what it saves, no recomputation;
+    * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
+      ``held_checkpoint``; the unwrapped hold does not depend on r);
+    * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
+      sums ``Cpre`` of the per-layer compute.
+    """
+    Pl = K.P[l]
+    bwd = NEG
+    bwdc = NEG  # the same for the segment checkpointed: its first layer's input stays held
+    bwd_j = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
+    tail = NEG  # ... and after it (without: they run before the recomputation)
+    fwdw = K.f[l]  # wrapped forward, running max
+    pm = K.f[l]  # running max of the live-forward term (recompute / unwrapped forward)
+    pm_prev = NEG
+    e_pm = NEG  # pm up to the last layer the recomputation runs
+    has_e = False
+    seg_saves = False
+    e = l - 1  # last layer the recomputation runs
+    for r in range(l, n):
+        v = K.P[r] - Pl + K.qb[r]
+        vc = v
+        if r == l and l > 0:
+            vc = K.qbk[l]  # the checkpoint holds the input through the first layer's backward
+        if v > bwd:
+            bwd = v
+        if vc > bwdc:
+            bwdc = vc
+        if K.saves[r] != 0:
+            seg_saves = True
+            bwd_j = bwdc
+            tail = NEG
+        else:
+            qt = K.qbk[l] if r == l and l > 0 else K.qb[r]
+            if qt > tail:
+                tail = qt
+        if full:
+            if r > l:
+                if K.fw[r] > fwdw:
+                    fwdw = K.fw[r]
+                pm_prev = pm
+                v = K.P[r] - Pl + K.qf[r]
+                if v > pm:
+                    pm = v
+            if K.ext[r] != 0 and seg_saves:  # a recomputation happens and reaches layer r
+                if K.runs[r] != 0:
+                    # the recomputation ends inside layer r, at its last saved tensor
+                    v = K.fs[l] if r == l else K.P[r] - Pl + K.qs[r]
+                    e_pm = pm_prev if r > l else NEG
+                    if v > e_pm:
+                        e_pm = v
+                    has_e = True
+                    e = r
+                elif r > l:
+                    e_pm = pm_prev
+                    has_e = True
+                    e = r - 1
+            Ds[r] = bwd if bwd > pm else pm
+            d = bwd_j if bwd_j > tail else tail
+            if fwdw > d:
+                d = fwdw
+            if has_e:
+                v = K.rb[r] + e_pm
+                if v > d:
+                    d = v
+            Dc[r] = d
+        else:
+            Ds[r] = bwd
+            Dc[r] = bwd
+            e = r
+        if l == 0:
+            hold[r] = 0
+        elif not full:
+            hold[r] = K.ck[l]
+        else:
+            hold[r] = K.ck[l] if seg_saves else 0
+        rec[r] = 0 if e < l else Cpre[e + 1] - Cpre[l]
+
+
+@njit(cache=True)
+def with_live_in(l, c, flag, d, K):
+    """A segment that holds nothing of its input still has it live while its first layer runs."""
+    if l > 0 and c == 0 and flag == 0:
+        v = K.ck[l] + K.f[l]
+        if v > d:
+            return v
+    return d
+
+
+@njit(cache=True)
+def plan_from_choice(choice, n):
+    """The plan of a dynamic program whose segment starting at ``l`` ends at ``choice[l]``."""
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    l = 0
+    while l < n:
+        if l > 0:
+            out[m] = l
+            m += 1
+        l = choice[l] + 1
+    return out[:m]
+
+
+@njit(cache=True)
+def grow(arr, size):
+    """``arr`` copied into a buffer of at least ``size`` entries (doubling)."""
+    out = np.empty(max(2 * arr.shape[0], size), dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out

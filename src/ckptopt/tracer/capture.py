@@ -1,0 +1,99 @@
+"""Capture: the model's forward as a ``torch.fx`` graph (the tracer's first stage).
+
+:func:`fx_capture` traces with ``torch.fx`` symbolic tracing; every submodule FX
+cannot trace into (data-dependent control flow, a mask built from a runtime
+shape) becomes one opaque leaf automatically, and ``leaf_modules=[...]`` names
+leaves explicitly. Only when the model's own forward cannot be traced does the
+user get an error naming the construct.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import TraceError
+
+__all__ = ["fx_capture"]
+
+
+class _Retry(Exception):
+    def __init__(self, qualname: str, cause: BaseException):
+        self.qualname = qualname
+        self.cause = cause
+
+
+class _LeafTracer(fx.Tracer):
+    """An FX tracer that treats the named modules (and types) as leaves and
+    reports the innermost submodule whose forward cannot be traced."""
+
+    def __init__(self, leaves: set[str], leaf_types: tuple[type, ...]):
+        super().__init__()
+        self.leaves = leaves
+        self.leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaves or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def call_module(self, m, forward, args, kwargs):
+        qualname = self.path_of_module(m)
+        if self.is_leaf_module(m, qualname):
+            return super().call_module(m, forward, args, kwargs)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except _Retry:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure inside this submodule
+            raise _Retry(qualname, exc) from exc
+
+
+def _construct(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    if "control flow" in text or "bool" in text and "Proxy" in text:
+        return f"data-dependent control flow ({first})"
+    return first
+
+
+def fx_capture(model: nn.Module, leaf_modules: Iterable[str | type] | None) -> tuple[fx.GraphModule, dict]:
+    names = {x for x in (leaf_modules or ()) if isinstance(x, str)}
+    types = tuple(x for x in (leaf_modules or ()) if isinstance(x, type))
+    known = dict(model.named_modules())
+    unknown = sorted(n for n in names if n not in known)
+    if unknown:
+        raise TraceError(
+            f"leaf_modules names {unknown} that are not submodules of the model; "
+            f"valid names look like {list(known)[1:4]} (see model.named_modules())"
+        )
+    opaque: dict[str, str] = {}
+    last: _Retry | None = None
+    for _ in range(len(known) + 1):
+        tracer = _LeafTracer(names | set(opaque), types)
+        try:
+            graph = tracer.trace(model)
+        except _Retry as r:
+            last = r
+            if r.qualname in opaque or r.qualname == "":
+                break
+            opaque[r.qualname] = _construct(r.cause)
+            continue
+        except Exception as exc:  # the model's own forward failed
+            raise TraceError(
+                f"torch.fx cannot trace the forward of {type(model).__name__} itself: {_construct(exc)}. "
+                "Only submodules can be made opaque automatically; move the construct into a submodule, "
+                "or pass leaf_modules=[...] naming the submodules (e.g. the blocks of a transformer) "
+                "to trace at that granularity.",
+                node=type(model).__name__,
+            ) from exc
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        return gm, opaque
+    assert last is not None
+    raise TraceError(
+        f"torch.fx cannot trace submodule {last.qualname!r} even as an opaque layer: {_construct(last.cause)}. "
+        "Pass leaf_modules=[...] naming a coarser submodule to treat as one layer.",
+        node=last.qualname,
+    )

@@ -1,0 +1,317 @@
+"""The tracer's entry point: a model becomes a chain of measured layers and its cost model.
+
+Stages (a file each)::
+
+    model --capture--------> fx.GraphModule   (opaque leaves where FX fails)
+          --propagate------> fake value per node (no activation memory)
+          --cuts-----------> candidate cuts; the layers between them
+          --layer_costs----> LayerMeasurement per layer (fake tensors)
+          --> ChainCosts
+
+Each layer runs forward and backward once in isolation under ``FakeTensorMode``:
+the storage tracker counts fake storages exactly as it counts real ones, and a
+``saved_tensors_hooks`` pack hook tells which storages autograd keeps. No
+activation is ever allocated, so a model that needs tens of GB to train traces
+in a few MB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..costs import ChainCosts
+from ..errors import TraceError
+from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, normalize_inputs, storage_nbytes,
+                           tensor_leaves)
+from .capture import fx_capture
+from .cuts import WithLoss, candidate_groups, op_label, subgraph_module
+from .layer_costs import LayerMeasurement, forward_flops, measure_layer
+from .propagate import FakeRecorder, autocast_cache_bytes
+
+__all__ = ["trace", "TracedModel", "Layer"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the chain: the graph nodes between two candidate cuts.
+
+    Attributes
+    ----------
+    index : int
+    name : str
+        A readable label (the module path, or the first and last nodes).
+    nodes : tuple of str
+        FX node names in execution order (``"<loss>"`` for the loss layer).
+    ops : tuple of str
+        What each node runs (module type or function name).
+    input_node, output_node : str
+        The tensor entering the layer (its checkpoint when a segment starts
+        here) and the one leaving it.
+    costs : LayerMeasurement
+        The measured chain-model quantities.
+    flops : int
+        Forward compute: floating-point operations from
+        ``torch.utils.flop_counter``, plus one per output element of every
+        other non-view op (elementwise ops, norms, pooling). The cost
+        model's ``c``.
+    """
+
+    index: int
+    name: str
+    nodes: tuple[str, ...]
+    ops: tuple[str, ...]
+    input_node: str
+    output_node: str
+    costs: LayerMeasurement
+    flops: int = 0
+
+    @property
+    def op(self) -> str:
+        return self.ops[0] if len(self.ops) == 1 else f"{self.ops[0]}..{self.ops[-1]} ({len(self.ops)} ops)"
+
+
+@dataclass
+class TracedModel:
+    """What :func:`trace` returns.
+
+    Attributes
+    ----------
+    gm : torch.fx.GraphModule
+        The traced model; it shares parameters and buffers with the original.
+    graph : networkx.DiGraph
+        One vertex per FX node (attributes ``op``, ``target``, ``bytes``,
+        ``shape``, ``dtype``), one edge per use.
+    layers : list of Layer
+        The chain handed to the solvers, in order; the last is the loss when
+        the model returns one tensor.
+    costs : ChainCosts
+        The full-form cost model of that chain (static = parameters, buffers
+        and inputs).
+    opaque_modules : dict
+        Submodules traced as one opaque layer because FX could not trace
+        into them, with the reason.
+    input_bytes, param_bytes, buffer_bytes : int
+    """
+
+    gm: fx.GraphModule
+    graph: nx.DiGraph
+    layers: list[Layer]
+    costs: ChainCosts
+    opaque_modules: dict[str, str]
+    input_bytes: int
+    param_bytes: int
+    buffer_bytes: int
+    example_shapes: tuple
+    loss_fn: Callable | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.layers)
+
+    @property
+    def flops(self) -> list[int]:
+        """Forward FLOPs of every layer."""
+        return [l.flops for l in self.layers]
+
+
+def check_model_and_inputs(model, example_inputs) -> Inputs:
+    """The normalized inputs, once model and inputs are checked (a module, trainable, one device)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"trace() needs an nn.Module, got {type(model).__name__}; pass the model itself "
+            "(not model.parameters() or a function)"
+        )
+    inputs = normalize_inputs(example_inputs)
+    params = list(model.parameters())
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            f"{type(model).__name__} has no parameters that require grad, so a training step has no "
+            "backward pass to plan; unfreeze some parameters (p.requires_grad_(True)) first"
+        )
+    devices = {t.device for t in inputs.tensors() + params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model and its example inputs are on different devices ({', '.join(sorted(map(str, devices)))}); "
+            "move them to one device first, e.g. model.to(dev) and x.to(dev)"
+        )
+    return inputs
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable | None = None,
+    leaf_modules: Iterable[str | type] | None = None,
+) -> TracedModel:
+    """Trace ``model`` into a chain cost model without allocating activations.
+
+    Parameters
+    ----------
+    model : nn.Module
+        In the mode it will train in (``model.train()``).
+    example_inputs : Tensor or tuple
+        Positional arguments of one training forward (the batch size and
+        shapes the plan is made for). Only their shapes and dtypes are used.
+    loss_fn : callable, optional
+        ``loss_fn(output) -> scalar``; default ``output.float().pow(2).mean()``
+        summed over tensor outputs (what :func:`ckptopt.measure_peak` uses).
+    leaf_modules : iterable of str or type, optional
+        Submodules (by qualified name, e.g. ``"transformer.h.0"``, or by
+        class) to treat as one opaque layer each. Submodules FX cannot trace
+        are made opaque automatically; this is the explicit override.
+
+    Returns
+    -------
+    TracedModel
+
+    Raises
+    ------
+    TraceError
+        The model's own forward cannot be traced (the message names the
+        construct), or a submodule fails even as an opaque layer.
+    TypeError, ValueError
+        Bad model or inputs (not a Module, no trainable parameters, mixed
+        devices, inputs the model rejects).
+
+    Notes
+    -----
+    Under an active ``torch.autocast`` context the layers are measured as
+    they run under it (bf16/fp16 activations where autocast casts), and the
+    weight copies autocast caches for the step count as static memory (the
+    figures assume backward runs inside the same autocast context, as
+    :func:`ckptopt.measure_peak` does; with backward outside it the cache is
+    dropped earlier and the prediction errs high by at most that amount).
+    """
+    inputs = check_model_and_inputs(model, example_inputs)
+    loss_fn = loss_fn or default_loss
+    gm, opaque = fx_capture(model, leaf_modules)
+
+    fake = fake_copy(gm, inputs)
+    fake_gm, fake_mode = fake.model, fake.mode
+    rec = FakeRecorder(fake_gm)
+    with fake_mode, torch.enable_grad():
+        out = rec.run(*fake.inputs.args)
+    values = dict(rec.values)  # keyed by the nodes of fake_gm
+    cast_cache_bytes = autocast_cache_bytes(fake_gm, fake.inputs, fake_mode)
+    if not any(t.requires_grad for t in tensor_leaves(out)):
+        raise ValueError(
+            "the model's output does not require grad on these inputs (no trainable parameter reaches it); "
+            "nothing to checkpoint"
+        )
+
+    groups = candidate_groups(fake_gm, values)
+    out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
+    model_output = out_node.args[0]
+    single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
+
+    layers: list[Layer] = []
+    param_owner: dict[int, int] = {}
+    built = []
+    for j, (members, first_in) in enumerate(groups):
+        last = j == len(groups) - 1
+        output = model_output if last else groups[j + 1][1]
+        body = subgraph_module(fake_gm, members, first_in, output, values)
+        module = body if not (last and not single_output) else WithLoss(body, loss_fn)
+        x = values[first_in] if first_in is not None else None
+        if x is None or not isinstance(x, torch.Tensor):
+            raise TraceError(
+                "the model takes several tensor inputs (or none); tracing supports one tensor input "
+                "(plus non-tensor arguments) for now: wrap the model in a module that takes one "
+                "tensor, e.g. the inputs stacked or concatenated",
+                node=members[0].name,
+            )
+        for p in module.parameters():
+            param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
+        built.append((members, first_in, output, module, x))
+    with fake_mode, torch.enable_grad():
+        for j, (members, first_in, output, module, x) in enumerate(built):
+            # a tied or reused weight whose gradient a later layer already created
+            existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
+            try:
+                # an input the previous layer saves stays alive through this layer's backward
+                keep = bool(layers and layers[-1].costs.sout)
+                kw = dict(input_requires_grad=bool(x.requires_grad), grads_exist=existing,
+                          leaf_input=bool(x.requires_grad and x.is_leaf))
+                m = measure_layer(module, x, keep_input=keep, **kw)
+                if m.sin and not keep:
+                    # the input is held through this layer's backward when something else holds
+                    # it (a checkpoint, the model input): measured again with the input kept
+                    m = dataclasses.replace(m, bk=measure_layer(module, x, keep_input=True, **kw).b)
+            except Exception as exc:
+                raise TraceError(
+                    f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
+                    node=members[0].name,
+                ) from exc
+            layers.append(Layer(j, _layer_name(fake_gm, members), tuple(n.name for n in members),
+                                tuple(op_label(fake_gm, n) for n in members),
+                                first_in.name, (output.name if isinstance(output, fx.Node) else "<output>"), m,
+                                forward_flops(module, x)))
+        if single_output:
+            y = values[model_output]
+            loss_layer = WithLoss(None, loss_fn)
+            m = measure_layer(loss_layer, y, keep_input=bool(layers and layers[-1].costs.sout))
+            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
+                                forward_flops(loss_layer, y)))
+
+    # parameter bytes are charged to the last layer that uses them (tied weights once)
+    fake_params = {id(p): p for p in fake_gm.parameters()}
+    p_bytes = [0] * len(layers)
+    for pid, j in param_owner.items():
+        p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params else 0
+    param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
+    buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
+    input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
+    costs = ChainCosts(
+        a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
+        sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
+        b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
+        bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
+        dead=[l.costs.dead for l in layers],
+        static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
+        names=[l.name for l in layers], c=[l.flops for l in layers],
+    )
+    graph = _nx_graph(gm, values, fake_gm)
+    return TracedModel(gm, graph, layers, costs, opaque, input_bytes, param_bytes, buffer_bytes,
+                       inputs.shapes, loss_fn)
+
+
+def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
+    mods = [str(n.target) for n in members if n.op == "call_module"]
+    if mods:
+        prefix = _common_prefix(mods)
+        if prefix and len(mods) > 1:
+            return prefix
+        return mods[0] if len(mods) == 1 and len(members) <= 2 else f"{mods[0]}..{mods[-1]}" if len(mods) > 1 else mods[0]
+    return members[0].name if len(members) == 1 else f"{members[0].name}..{members[-1].name}"
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    out = []
+    for xs in zip(*parts):
+        if len(set(xs)) != 1:
+            break
+        out.append(xs[0])
+    return ".".join(out)
+
+
+def _nx_graph(gm: fx.GraphModule, values: dict, fake_gm: fx.GraphModule) -> nx.DiGraph:
+    g = nx.DiGraph()
+    by_name = {n.name: n for n in fake_gm.graph.nodes}
+    for n in gm.graph.nodes:
+        v = values.get(by_name.get(n.name))
+        ts = tensor_leaves(v)
+        g.add_node(n.name, op=n.op, target=str(n.target),
+                   bytes=sum(storage_nbytes(t) for t in ts),
+                   shape=tuple(ts[0].shape) if ts else None, dtype=str(ts[0].dtype) if ts else None)
+    for n in gm.graph.nodes:
+        for u in n.users:
+            g.add_edge(n.name, u.name)
+    return g

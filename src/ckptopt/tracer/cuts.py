@@ -1,0 +1,147 @@
+"""Candidate cuts: where the chain of layers may be cut, and the layers between cuts.
+
+Nodes are taken in the graph's topological order. A cut before node ``k`` is a
+candidate when exactly one tensor produced by earlier nodes is used at or after
+``k`` (its *live set*), that tensor is not the input of a view or in-place op at
+``k`` (so a segment never starts by aliasing its checkpoint), and no model input
+is used after it. Then everything a later segment needs from earlier ones is that
+one tensor, and the chain model (``docs/design.md`` §3) is exact for plans made of
+these cuts: each group of nodes between two candidate cuts is one *layer*. For a
+chain (VGG, an MLP) every node boundary qualifies; for a ResNet or a transformer
+the cuts fall between residual blocks; a DenseNet is cut between dense blocks,
+and a U-Net only where no skip connection is open.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..errors import TraceError
+from ..torch_utils import tensor_leaves
+
+__all__ = ["OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
+
+#: The node kinds that run something (the others are inputs, attributes and the output).
+OPS = ("call_module", "call_function", "call_method")
+
+
+def op_label(gm: fx.GraphModule, n: fx.Node) -> str:
+    if n.op == "call_module":
+        return type(gm.get_submodule(n.target)).__name__
+    if n.op == "call_function":
+        return getattr(n.target, "__name__", str(n.target))
+    return str(n.target)
+
+
+def _aliases(out: Any, args: list[torch.Tensor]) -> bool:
+    outs = tensor_leaves(out)
+    return any(torch._C._is_alias_of(o, a) for o in outs for a in args)
+
+
+def candidate_groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Node], fx.Node]]:
+    """Split the op nodes into groups at candidate cuts.
+
+    Returns ``[(nodes, input_node), ...]``: the input of the first group is the
+    model input placeholder (or None when there are several inputs).
+    """
+    nodes = list(gm.graph.nodes)
+    ops = [n for n in nodes if n.op in OPS]
+    pos = {n: i for i, n in enumerate(ops)}
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    def is_tensor_value(n):
+        v = values.get(n)
+        return bool(tensor_leaves(v))
+
+    # last position (in ops order; len(ops) for the output node) where each node is used
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        for u in n.users:
+            p = pos.get(u, len(ops))
+            last_use[n] = max(last_use.get(n, -1), p)
+    input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n)] or [-1])
+
+    # sweep: live tensor-valued op nodes before position k
+    cuts = []
+    live: set[fx.Node] = set()
+    for k in range(1, len(ops)):
+        prev = ops[k - 1]
+        if is_tensor_value(prev) and last_use.get(prev, -1) >= k:
+            live.add(prev)
+        live = {n for n in live if last_use.get(n, -1) >= k}
+        if len(live) != 1 or k <= input_last:
+            continue
+        (only,) = live
+        v = values.get(only)
+        if not isinstance(v, torch.Tensor) or not v.requires_grad:
+            continue
+        nxt = ops[k]
+        args = [values[a] for a in nxt.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
+        if _aliases(values.get(nxt), args):
+            continue  # a view or in-place op of the live tensor: keep it with its producer
+        cuts.append(k)
+    bounds = [0] + cuts + [len(ops)]
+    groups = []
+    for j in range(len(bounds) - 1):
+        members = ops[bounds[j]:bounds[j + 1]]
+        if j == 0:
+            tensor_inputs = [n for n in inputs if is_tensor_value(n)]
+            first_in = tensor_inputs[0] if len(tensor_inputs) == 1 else None
+        else:
+            # the single live tensor at the cut
+            first_in = next(n for n in ops[: bounds[j]] if last_use.get(n, -1) >= bounds[j]
+                            and isinstance(values.get(n), torch.Tensor))
+        groups.append((members, first_in))
+    return groups
+
+
+def subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node | list[fx.Node] | None,
+                     output: Any, values: dict | None = None) -> fx.GraphModule:
+    """A GraphModule running ``members`` (in order) on ``inputs``, returning ``output``.
+
+    Parameters are read through ``get_attr`` nodes of ``gm``. Any other node
+    the members use must be an input, except, when ``values`` (node -> value of
+    a propagation run) is given, non-tensor values (shapes, ints), which become
+    constants of the subgraph: right for measuring one layer at fixed shapes,
+    not for the rewriter, which passes them as inputs so other shapes work.
+    """
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    if isinstance(inputs, fx.Node):
+        inputs = [inputs]
+    for n in inputs or ():
+        env[n] = g.placeholder(n.name)
+
+    def load(a: fx.Node):
+        if a in env:
+            return env[a]
+        if a.op == "get_attr":
+            env[a] = g.get_attr(a.target)
+            return env[a]
+        v = values.get(a) if values is not None else None
+        if values is None or tensor_leaves(v) or a in set(members):
+            raise TraceError(
+                f"internal: node {a.name} is used by a layer but not passed to it (please report this model)",
+                node=a.name,
+            )
+        return v  # a non-tensor value (a shape, an int): a constant of the layer
+
+    for n in members:
+        env[n] = g.node_copy(n, load)
+    g.output(fx.node.map_arg(output, load))
+    return fx.GraphModule(gm, g)
+
+
+class WithLoss(nn.Module):
+    """``loss_fn(body(x))``: a layer that ends with the loss (or the loss alone, ``body=None``)."""
+
+    def __init__(self, body: nn.Module | None, loss_fn: Callable):
+        super().__init__()
+        self.body = body
+        self.loss_fn = loss_fn
+
+    def forward(self, x):
+        return self.loss_fn(self.body(x) if self.body is not None else x)
