@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from ckptopt import ChainCosts, InvalidPlan, simulate
-from ckptopt.simulate import recomputed_layers
+from ckptopt.simulator import recomputed_layers
 from ckptopt.timeline import simulate_timeline
 
 from .common.reference import reference_peak
@@ -22,7 +22,15 @@ def costs_and_plan(draw, costs_strategy):
     return costs, tuple(sorted(cuts))
 
 
-def check_order(costs, plan, events):
+@st.composite
+def costs_plan_stored(draw):
+    """A full-form model, a plan and a random subset of its middle segments left unwrapped."""
+    costs, plan = draw(costs_and_plan(full_costs()))
+    stored = draw(st.sets(st.sampled_from((0,) + plan[:-1]))) if plan else set()
+    return costs, plan, tuple(sorted(stored))
+
+
+def check_order(costs, plan, events, stored=()):
     """Events run forward 0..n-1, then per segment (last first) backward r..l, with the recompute
     events of a checkpointed segment before the backward of its last layer that saves a tensor
     (the layers after it save nothing, so their backward runs first)."""
@@ -30,11 +38,11 @@ def check_order(costs, plan, events):
     starts = (0,) + plan
     ends = tuple(s - 1 for s in plan) + (n - 1,)
     expected = [] if costs.is_additive else [("forward", i) for i in range(n)]
-    rec = set(recomputed_layers(costs, plan))
+    rec = set(recomputed_layers(costs, plan, stored))
     for k in range(len(starts) - 1, -1, -1):
         l, r = starts[k], ends[k]
         back = [("backward", i) for i in range(r, l - 1, -1)]
-        if not costs.is_additive and k < len(starts) - 1:
+        if not costs.is_additive and k < len(starts) - 1 and l not in stored:
             saving = [i for i in range(l, r + 1) if costs.sin[i] or costs.sout[i] or costs.m[i] > 0]
             trailing = r - max(saving) if saving else r - l + 1
             back = back[:trailing] + [("recompute", i) for i in range(l, r + 1) if i in rec] + back[trailing:]
@@ -59,6 +67,38 @@ def test_full_timeline_peak_is_the_simulated_and_reference_peak(cp):
     assert peak == reference_peak(costs, plan)
     check_order(costs, plan, events)
     check_segments_and_static(costs, plan, events)
+
+
+@given(costs_plan_stored())
+def test_timeline_with_stored_segments_is_the_simulated_and_reference_peak(cps):
+    """Unwrapped middle segments (the default plan's and the budget solver's): the timeline describes the
+    same plan as simulate (it once took no ``stored`` and described another plan)."""
+    costs, plan, stored = cps
+    events = simulate_timeline(costs, plan, stored)
+    peak = max(e.bytes for e in events)
+    assert peak == simulate(costs, plan, stored).peak_bytes == reference_peak(costs, plan, stored)
+    check_order(costs, plan, events, stored)
+    check_segments_and_static(costs, plan, events)
+
+
+def test_timeline_agrees_with_simulate_on_many_random_stored_plans():
+    """The issue's count: 3,000 random models with a default (dp2 + stored) or random stored plan."""
+    from ckptopt import solve
+
+    from .common.strategies import random_full
+
+    rng = np.random.default_rng(2026)
+    with_stored = 0
+    for _ in range(3000):
+        c = random_full(rng, int(rng.integers(2, 14)))
+        p = solve(c, "auto")
+        plans = [(p.checkpoints, p.stored)]
+        cuts = tuple(sorted(set(int(x) for x in rng.integers(1, c.n, int(rng.integers(1, c.n))))))
+        plans.append((cuts, tuple(s for s in (0,) + cuts[:-1] if rng.integers(0, 2))))
+        for plan, stored in plans:
+            with_stored += bool(stored)
+            assert max(e.bytes for e in simulate_timeline(c, plan, stored)) == simulate(c, plan, stored).peak_bytes
+    assert with_stored > 1000
 
 
 @given(costs_and_plan(additive_costs()))

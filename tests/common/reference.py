@@ -1,4 +1,4 @@
-"""An independent, deliberately naive simulator of one training step (DESIGN.md section 3).
+"""An independent, deliberately naive simulator of one training step (docs/design.md §3).
 
 It walks the step event by event and keeps an explicit set of live storages
 (activations ``x{t}``, their gradients ``g{t}``, private saved tensors
@@ -10,10 +10,12 @@ prefix sums and closed forms); the tests require both to agree.
 from __future__ import annotations
 
 
-def reference_peak(costs, checkpoints) -> int:
+def reference_peak(costs, checkpoints, stored=()) -> int:
+    """The peak of one step; ``stored``: start layers of middle segments left unwrapped."""
     if costs.is_additive:
+        assert not stored
         return _additive(costs, checkpoints)
-    return _full(costs, checkpoints)
+    return _full(costs, checkpoints, set(stored))
 
 
 def _segments(n, checkpoints):
@@ -34,7 +36,7 @@ def _additive(c, checkpoints):
     return c.static + best
 
 
-def _full(c, checkpoints):
+def _full(c, checkpoints, stored):
     n = c.n
     a = [int(x) for x in c.a]
     p = [int(x) for x in c.p]
@@ -69,31 +71,38 @@ def _full(c, checkpoints):
 
     segs = _segments(n, checkpoints)
     last = len(segs) - 1
+    unwrapped = [k == last or l in stored for k, (l, r) in enumerate(segs)]
     peak = 0
     # ---- forward
     ckpt = set()  # checkpoints held (inputs of segments 1..k)
-    kept = set()  # saved sets kept by the unwrapped last segment
+    kept = {}  # per unwrapped segment (a stored one or the last): the saved sets its layers keep
+
     def saves_anything(i):
         return sin[i] or sout[i] or m[i] > 0
 
+    def kept_before(k):
+        return set().union(*(v for j, v in kept.items() if j < k))
+
     for k, (l, r) in enumerate(segs):
-        # DESIGN section 4: a checkpointed segment keeps its input only if it saves
-        # something; the unwrapped last one only if its first layer saves its input
-        if k and (sin[l] if k == last else any(saves_anything(i) for i in range(l, r + 1))):
+        # docs/design.md §4: a checkpointed segment keeps its input only if it saves
+        # something; an unwrapped one only if its first layer saves its input
+        if k and (sin[l] if unwrapped[k] else any(saves_anything(i) for i in range(l, r + 1))):
             ckpt.add(f"x{l - 1}")
+        if unwrapped[k]:
+            kept[k] = set()
         for i in range(l, r + 1):
-            live = ckpt | kept | {f"x{i - 1}"}  # a layer's input is live while it runs
+            live = ckpt | kept_before(k + 1) | {f"x{i - 1}"}  # a layer's input is live while it runs
             peak = max(peak, total(live) + f[i])
-            if k == last:
-                kept |= saved(i)
+            if unwrapped[k]:
+                kept[k] |= saved(i)
     # ---- backward, last segment first
     grads = set()  # parameter gradients accumulated so far
     for k in range(last, -1, -1):
         l, r = segs[k]
-        held = set(ckpt) | grads | {f"g{r}"}
+        held = set(ckpt) | kept_before(k) | grads | {f"g{r}"}
         top = r  # the backward continues from here after the recomputation
-        if k == last:
-            seg_saved = set(kept)
+        if unwrapped[k]:
+            seg_saved = set(kept[k])
         else:
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
@@ -136,7 +145,7 @@ def _full(c, checkpoints):
         for i in range(top, l - 1, -1):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"}
             # the first layer's input stays held by the checkpoint
-            held_in = i == l and k < last and l > 0
+            held_in = i == l and not unwrapped[k] and l > 0
             peak = max(peak, total(live) + (bk[i] if held_in else b[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
