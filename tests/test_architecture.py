@@ -1,0 +1,170 @@
+"""The package's shape: stages that import only from earlier ones, a torch-free solver side,
+files a reader can hold, and docstring examples that run.
+
+The import graph is read from the source (every ``import`` statement, those inside
+functions included), so a lazy import that points backwards is caught too.
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+import ckptopt
+
+ROOT = Path(ckptopt.__file__).resolve().parent
+MAX_LINES = 800
+
+# The stages, in the order the data flows (model -> tracer -> costs -> solvers -> plan -> rewriter
+# -> module, the simulator scoring plans). A module may import from its own stage or earlier ones.
+STAGES = [
+    ("errors", "units"),
+    ("costs", "plan"),
+    ("simulator", "timeline"),
+    ("solvers",),
+    ("torch_utils", "tracker"),
+    ("tracer",),
+    ("rewriter",),
+    ("api", "measure", "planning"),
+    ("experimental", "dag", "_dag_measure"),
+    ("cli", "zoo", "_models"),
+]
+TORCH_FREE = {"errors", "units", "costs", "plan", "simulator", "timeline", "solvers", "dag"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _package_of(name: str) -> str:
+    return name if MODULES[name].name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _imports(name: str, source: str | None = None) -> list[str]:
+    """Every module ``name`` imports (absolute names; external ones too), function bodies included."""
+    tree = ast.parse(MODULES[name].read_text() if source is None else source)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _package_of(name)
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in MODULES]
+            out += subs if len(subs) == len(node.names) else [target] + subs
+    return out
+
+
+def _stage(name: str) -> int | None:
+    """The stage of a ckptopt module (None for the root package, the facade)."""
+    if name == "ckptopt":
+        return None
+    head = name.split(".")[1]
+    return next(k for k, heads in enumerate(STAGES) if head in heads)
+
+
+def _graph() -> nx.DiGraph:
+    g = nx.DiGraph()
+    for name in MODULES:
+        g.add_node(name)
+        for target in _imports(name):
+            g.add_edge(name, target)
+    return g
+
+
+GRAPH = _graph()
+
+
+def test_every_module_belongs_to_a_stage():
+    assert all(_stage(name) is not None for name in MODULES if name != "ckptopt")
+
+
+def test_import_graph_has_no_cycle():
+    internal = GRAPH.subgraph(MODULES)
+    cycles = list(nx.simple_cycles(internal))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_stages_import_only_from_earlier_ones():
+    backwards = []
+    for src, dst in GRAPH.edges:
+        if src not in MODULES or dst not in MODULES or src == "ckptopt":
+            continue
+        if dst == "ckptopt":
+            backwards.append(f"{src} imports the root package (import from the module that defines the name)")
+        elif _stage(dst) > _stage(src):
+            backwards.append(f"{src} (stage {_stage(src)}) imports {dst} (stage {_stage(dst)})")
+    assert not backwards, "\n".join(backwards)
+
+
+def test_solver_side_imports_no_torch():
+    bad = []
+    for name in MODULES:
+        if name == "ckptopt" or name.split(".")[1] not in TORCH_FREE:
+            continue
+        for dep in nx.descendants(GRAPH, name) | {name}:
+            if dep == "torch" or dep.startswith("torch."):
+                bad.append(f"{name} reaches {dep}")
+    assert not bad, bad
+
+
+def test_experimental_simulator_imports_no_torch():
+    reach = nx.descendants(GRAPH, "ckptopt.experimental.dag")
+    assert not any(d == "torch" or d.startswith("torch.") for d in reach), sorted(reach)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_source_file_is_too_long(name):
+    lines = MODULES[name].read_text().count("\n")
+    assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines; split it along its stages"
+
+
+def test_root_all_is_what_the_readme_documents():
+    """Every name of ``ckptopt.__all__`` resolves, and the README's API table names each of them."""
+    readme = (ROOT.parents[1] / "README.md").read_text()
+    for name in ckptopt.__all__:
+        assert getattr(ckptopt, name) is not None
+        assert f"`{name}" in readme, f"ckptopt.{name} is public but the README does not document it"
+
+
+def test_graph_reading_catches_a_lazy_backward_import():
+    """The reader sees imports inside functions (the measure <-> tracer cycle was one) and resolves
+    relative ones, so the tests above would fail on such an import."""
+    src = "def f():\n    from ..measure import measure_peak\n    from . import cuts\n    import torch.fx\n"
+    found = _imports("ckptopt.tracer.chain", src)
+    assert found == ["ckptopt.measure", "ckptopt.tracer.cuts", "torch.fx"]
+    assert _stage("ckptopt.measure") > _stage("ckptopt.tracer.chain")
+
+
+def _doctest_modules() -> list[str]:
+    names = []
+    for name, path in MODULES.items():
+        if ">>>" in path.read_text():
+            names.append(name)
+    return sorted(names)
+
+
+@pytest.mark.parametrize("name", _doctest_modules())
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.attempted > 0, f"{name} has '>>>' but no example ran"
+    assert result.failed == 0, f"{result.failed} docstring example(s) of {name} failed (run python -m doctest)"
