@@ -42,9 +42,10 @@ def run_model(name: str, kw: dict) -> list[dict]:
             gc.collect()
             t0 = time.perf_counter()
             measured = measure_training_step(model, inputs, opt, "for-loop",
-                                             checkpoints=pe.checkpoints if pe.checkpoints else None)
+                                             checkpoints=pe.checkpoints if pe.checkpoints else None,
+                                             stored=pe.stored)
             err = (pe.peak_bytes - measured) / measured
-            rows.append(dict(model=name, config=kw, optimizer=opt, plan=pe.label, checkpoints=list(pe.checkpoints),
+            rows.append(dict(model=name, config=kw, optimizer=opt, plan=pe.label, checkpoints=list(pe.checkpoints), stored=list(pe.stored),
                              predicted_bytes=pe.peak_bytes, measured_bytes=measured, rel_error=err, at=pe.at,
                              breakdown=pe.to_dict()["breakdown"], measure_seconds=time.perf_counter() - t0))
             print(f"| {name} | {opt} | {pe.label} | {pe.peak_bytes / 2**20:.2f} | {measured / 2**20:.2f} | "

@@ -53,8 +53,9 @@ def main() -> None:
             gc.collect()
             t1 = time.perf_counter()
             measured = measure_training_step(model, x, args.optimizer, "for-loop",
-                                             checkpoints=pe.checkpoints if pe.checkpoints else None)
-            rows.append(dict(strategy=fit.strategy, batch=b, checkpoints=list(pe.checkpoints),
+                                             checkpoints=pe.checkpoints if pe.checkpoints else None,
+                                             stored=pe.stored)
+            rows.append(dict(strategy=fit.strategy, batch=b, checkpoints=list(pe.checkpoints), stored=list(pe.stored),
                              predicted_bytes=pe.peak_bytes, measured_bytes=measured, fits=measured <= memory,
                              measure_seconds=time.perf_counter() - t1))
             print(f"{fit.strategy:>8} batch {b}: predicted {format_bytes(pe.peak_bytes)}, measured "

@@ -87,7 +87,8 @@ def test_step_peak_matches_measurement(opt, impl):
         model, x = chain(batch=batch)
         est = estimate(model, x, optimizer=opt, impl=impl)
         for pe in (est.no_checkpointing, est.optimal):
-            measured = measure_training_step(model, x, opt, impl, checkpoints=pe.checkpoints or None)
+            measured = measure_training_step(model, x, opt, impl, checkpoints=pe.checkpoints or None,
+                                             stored=pe.stored)
             assert abs(pe.peak_bytes - measured) <= 8, (opt, impl, batch, pe.label, pe.peak_bytes, measured)
             assert pe.breakdown.total == pe.peak_bytes
 
@@ -193,12 +194,13 @@ def test_max_batch_fits_and_next_does_not(chain_max_batch):
     for fit in (mb.no_checkpointing, mb.optimal):
         assert fit.verified and fit.batch > 0
         cps = fit.checkpoints or None
-        inside = measure_training_step(model, with_batch(x, fit.batch, 8), "sgd-momentum", checkpoints=cps)
+        inside = measure_training_step(model, with_batch(x, fit.batch, 8), "sgd-momentum", checkpoints=cps,
+                                       stored=fit.stored)
         assert inside <= MEMORY
         nxt = estimate(model, with_batch(x, fit.batch + 1, 8), optimizer="sgd-momentum")
         pe = nxt.no_checkpointing if fit.strategy == "none" else nxt.optimal
         over = measure_training_step(model, with_batch(x, fit.batch + 1, 8), "sgd-momentum",
-                                     checkpoints=pe.checkpoints or None)
+                                     checkpoints=pe.checkpoints or None, stored=pe.stored)
         assert over > MEMORY
     assert mb.optimal.batch > mb.no_checkpointing.batch
 
@@ -241,7 +243,7 @@ def test_plan_training_recommendation_fits_for_real():
     # fewer steps than recommended do not fit even with the optimal plan
     assert all(not o.fits_optimal for o in tp.options if o.steps < rec.steps)
     measured = measure_training_step(model, with_batch(x, rec.micro_batch, 8), "sgd",
-                                     checkpoints=rec.checkpoints or None, accumulation_steps=2)
+                                     checkpoints=rec.checkpoints or None, stored=rec.stored, accumulation_steps=2)
     assert measured <= memory
     assert abs(measured - rec.peak_bytes) <= 16
 

@@ -36,11 +36,12 @@ def _example_path() -> str:
     return str(resources.files("ckptopt") / "data" / "conv_chain.json")
 
 
-def _fmt_plan(cps: tuple[int, ...], limit: int = 8) -> str:
+def _fmt_plan(cps: tuple[int, ...], limit: int = 8, stored: tuple[int, ...] = ()) -> str:
     if not cps:
         return "-"
     shown = ",".join(map(str, cps[:limit]))
-    return shown + (f",... ({len(cps)})" if len(cps) > limit else "")
+    text = shown + (f",... ({len(cps)})" if len(cps) > limit else "")
+    return text + (f" ({len(stored)} unwrapped)" if stored else "")
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
@@ -338,7 +339,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     red = 100.0 * (cols[1].peak_bytes - cols[0].peak_bytes) / cols[0].peak_bytes
     print(f"{'':<20} {'':>18} {red:>+17.1f}%")
     print(f"{'recompute':<20} {100 * cols[0].recompute_share:>17.1f}% {100 * cols[1].recompute_share:>17.1f}%")
-    print(f"{'checkpoints':<20} {'-':>18} {_fmt_plan(cols[1].checkpoints):>18}")
+    print(f"{'checkpoints':<20} {'-':>18} {_fmt_plan(cols[1].checkpoints, stored=cols[1].stored):>18}")
     for c in cols:
         print(f"{c.label}: peak reached in the {_where(c)}")
     print("breakdown at the peak; transients: the working memory of what runs there (in backward, the new "
@@ -355,7 +356,8 @@ def _fit_line(fit) -> str:
         line += f"; batch {fit.batch + 1} needs {fit.next_peak_bytes} B"
     line += ")"
     if fit.strategy != "none":
-        line += f", checkpoints {_fmt_plan(fit.checkpoints)}, recompute {100 * fit.recompute_share:.1f}% of a step"
+        line += (f", checkpoints {_fmt_plan(fit.checkpoints, stored=fit.stored)}, "
+                 f"recompute {100 * fit.recompute_share:.1f}% of a step")
     return line
 
 
@@ -405,7 +407,8 @@ def _print_training_plan(plan) -> None:
         if o.checkpoints is None:
             chosen, peak, share = "does not fit", "-", "-"
         else:
-            chosen = "no checkpointing" if not o.checkpoints else "checkpoints " + _fmt_plan(o.checkpoints, 5)
+            chosen = ("no checkpointing" if not o.checkpoints
+                      else "checkpoints " + _fmt_plan(o.checkpoints, 5, o.stored))
             peak, share = format_bytes(o.peak_bytes), f"{100 * o.recompute_share:.1f}%"
         print(f"{o.steps:>5} {o.micro_batch:>6} {format_bytes(o.peak_no_checkpointing):>11} "
               f"{format_bytes(o.peak_optimal):>11}  {chosen:<28} {peak:>11} {share:>9}")
@@ -414,7 +417,7 @@ def _print_training_plan(plan) -> None:
         print("nothing fits, even at micro-batch 1 with the optimal plan: lower the memory of the step "
               "(optimizer, dtype) or use a larger device")
         return
-    how = "no checkpointing" if not rec.checkpoints else f"checkpoints {_fmt_plan(rec.checkpoints)}"
+    how = "no checkpointing" if not rec.checkpoints else f"checkpoints {_fmt_plan(rec.checkpoints, stored=rec.stored)}"
     print(f"recommended (fewest accumulation steps, then least recompute): {rec.steps} step(s) of micro-batch "
           f"{rec.micro_batch}, {how}: peak {format_bytes(rec.peak_bytes)}, recompute "
           f"{100 * rec.recompute_share:.1f}% of a step")

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .plan import Plan, normalize_plan
+from .plan import Plan, normalize_plan, normalize_stored
 from .planning.optimizer import IMPLS, check_optimizer
 from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
@@ -97,18 +97,19 @@ def _train_step(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> N
     del loss
 
 
-def _as_plan(traced: TracedModel, checkpoints) -> Plan:
-    """A :class:`Plan` as it is, or segment-start layers as a plan of ``traced``."""
+def _as_plan(traced: TracedModel, checkpoints, stored=()) -> Plan:
+    """A :class:`Plan` as it is, or segment-start layers (and stored segments) as a plan of ``traced``."""
     if isinstance(checkpoints, Plan):
         return checkpoints
     cps = normalize_plan(traced.costs, checkpoints)
-    return Plan(cps, simulate(traced.costs, cps).peak_bytes, "given", 0.0, traced.n)
+    stored = normalize_stored(cps, stored)
+    return Plan(cps, simulate(traced.costs, cps, stored).peak_bytes, "given", 0.0, traced.n, stored)
 
 
-def _with_checkpoints(model: nn.Module, inputs: Inputs, loss_fn, checkpoints) -> CheckpointedModule:
+def _with_checkpoints(model: nn.Module, inputs: Inputs, loss_fn, checkpoints, stored=()) -> CheckpointedModule:
     """``model`` traced and rewritten to checkpoint at ``checkpoints`` (a Plan or segment-start layers)."""
     tm = trace(model, inputs, loss_fn=loss_fn)
-    return apply_plan(model, tm, _as_plan(tm, checkpoints))
+    return apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
 
 
 def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
@@ -326,7 +327,7 @@ def make_optimizer(params, optimizer: str = "adam", impl: str = "for-loop"):
 
 
 def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: str = "for-loop",
-                          checkpoints=None, accumulation_steps: int = 1, loss_fn=None) -> int:
+                          checkpoints=None, accumulation_steps: int = 1, loss_fn=None, stored=()) -> int:
     """Measured peak of one steady-state training step on CPU, optimizer step included.
 
     The optimizer's state is allocated first by one step on zero gradients
@@ -348,6 +349,9 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
     checkpoints : Plan or sequence of int, optional
         Measure the model rewritten with this plan.
     accumulation_steps : int, default 1
+    stored : sequence of int, optional
+        With ``checkpoints`` given as layers: the segments left unwrapped
+        (:attr:`ckptopt.Plan.stored`, as planning's results carry them).
 
     Returns
     -------
@@ -355,7 +359,7 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
         Peak bytes.
     """
     inputs = normalize_inputs(example_inputs)
-    module = model if checkpoints is None else _with_checkpoints(model, inputs, loss_fn, checkpoints)
+    module = model if checkpoints is None else _with_checkpoints(model, inputs, loss_fn, checkpoints, stored)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = make_optimizer(params, optimizer, impl)
     tensors = inputs.tensors()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..simulator import simulate
 from ..units import parse_bytes
 from .batch import BatchCosts, optimizer_for, peak_and_plan, search_batch
 from .estimate import plan_recompute_share, least_recompute_plan
@@ -19,7 +18,7 @@ class AccumulationOption:
     """One way to reach the target batch: ``steps`` micro-batches of at most ``micro_batch``.
 
     Peaks are of the whole loop (the later micro-batches hold every gradient;
-    the optimizer step after the last). ``least_recompute`` is the plan with
+    the optimizer step after the last). ``checkpoints``/``stored`` are the plan with
     the least recomputation whose peak fits (None when nothing fits); its
     ``recompute_share`` is the overhead on a step.
     """
@@ -35,10 +34,13 @@ class AccumulationOption:
     peak_bytes: int | None
     recompute_share: float | None
     plan_solver: str | None
+    optimal_stored: tuple[int, ...] = ()
+    stored: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["optimal_checkpoints"] = list(self.optimal_checkpoints)
+        for k in ("optimal_checkpoints", "optimal_stored", "stored"):
+            d[k] = list(getattr(self, k))
         d["checkpoints"] = list(self.checkpoints) if self.checkpoints is not None else None
         return d
 
@@ -72,16 +74,16 @@ def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -
     fb_costs = accumulating_costs(costs) if acc else costs
     stp = step_peak(costs, grads, opt)
     p_none, _ = peak_and_plan(costs, "none", opt, grads, acc)
-    p_opt, cps_opt = peak_and_plan(costs, "optimal", opt, grads, acc, final=True)
-    chosen, peak, share, solver = None, None, None, None
+    p_opt, best = peak_and_plan(costs, "optimal", opt, grads, acc, final=True)
+    chosen, peak, share, solver, stored = None, None, None, None, ()
     if stp <= memory:
         found = least_recompute_plan(fb_costs, memory - opt.state_bytes)
         if found is not None:
-            chosen, solver = found
-            peak = max(simulate(fb_costs, chosen).peak_bytes + opt.state_bytes, stp)
-            share = plan_recompute_share(fb_costs, chosen)[1]
-    return AccumulationOption(m, k, p_none, p_opt, cps_opt, p_none <= memory, p_opt <= memory,
-                              chosen, peak, share, solver)
+            chosen, solver, stored = found.checkpoints, found.solver, found.stored
+            peak = max(found.peak_bytes + opt.state_bytes, stp)
+            share = plan_recompute_share(fb_costs, chosen, stored)[1]
+    return AccumulationOption(m, k, p_none, p_opt, best.checkpoints, p_none <= memory, p_opt <= memory,
+                              chosen, peak, share, solver, best.stored, stored)
 
 
 def _steps_range(target: int, m_first: int, m_last: int | None, limit: int) -> list[int]:

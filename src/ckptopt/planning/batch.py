@@ -6,12 +6,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..costs import ChainCosts
-from ..simulator import simulate
+from ..plan import Plan
 from ..solvers import solve
 from ..torch_utils import Inputs, normalize_inputs
 from ..tracer import trace
 from ..units import parse_bytes
-from .estimate import OPTIMAL_SOLVER, plan_recompute_share, batch_of, optimal_plan, trainable_sizes
+from .estimate import batch_of, optimal_plan, plan_recompute_share, trainable_sizes
 from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
@@ -181,7 +181,8 @@ class BatchFit:
 
     ``batch`` is 0 when not even batch 1 fits; ``peak_bytes`` is its predicted
     peak, ``next_peak_bytes`` that of ``batch + 1`` (over the memory), both
-    confirmed by a trace when ``verified``.
+    confirmed by a trace when ``verified``; ``checkpoints`` and ``stored`` are the
+    plan at ``batch`` (:class:`ckptopt.Plan`'s fields).
     """
 
     strategy: str
@@ -191,10 +192,12 @@ class BatchFit:
     checkpoints: tuple[int, ...]
     recompute_share: float
     verified: bool
+    stored: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["checkpoints"] = list(self.checkpoints)
+        d["stored"] = list(self.stored)
         return d
 
 
@@ -216,21 +219,20 @@ class MaxBatch:
 
 
 def peak_and_plan(costs: ChainCosts, strategy: str, opt: OptimizerMemory, grads: int, accumulate: bool = False,
-          final: bool = False) -> tuple[int, tuple[int, ...]]:
+                  final: bool = False) -> tuple[int, Plan]:
     """Predicted step peak and plan at this cost model; ``accumulate``: a micro-batch after the first.
 
-    During a search only the optimal peak matters (``dp2``); ``final`` picks
-    the least-recompute plan among those reaching it (:func:`optimal_plan`).
+    During a search only the optimal peak matters (the ``auto`` policy); ``final``
+    picks the least-recompute plan among those reaching it (:func:`optimal_plan`).
     """
     fb_costs = accumulating_costs(costs) if accumulate else costs
     if strategy == "none":
-        cps = ()
+        plan = solve(fb_costs, "none")
     elif final:
-        cps = optimal_plan(fb_costs, opt, step_peak(costs, grads, opt))
+        plan = optimal_plan(fb_costs, opt, step_peak(costs, grads, opt))
     else:
-        cps = solve(fb_costs, OPTIMAL_SOLVER).checkpoints
-    fb = simulate(fb_costs, cps).peak_bytes
-    return max(fb + opt.state_bytes, step_peak(costs, grads, opt)), cps
+        plan = solve(fb_costs, "auto")
+    return max(plan.peak_bytes + opt.state_bytes, step_peak(costs, grads, opt)), plan
 
 
 def largest_fitting(fits: Callable[[int], bool], cap: int = _BATCH_CAP) -> int:
@@ -279,11 +281,11 @@ def search_batch(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
     if not best:
         return BatchFit(strategy, 0, None, peak(1, trace=True), (), 0.0, verified)
     costs = bc.costs(best, trace=True)
-    p, cps = peak_and_plan(costs, strategy, opt, grads, accumulate, final=True)
+    p, plan = peak_and_plan(costs, strategy, opt, grads, accumulate, final=True)
     fb_costs = accumulating_costs(costs) if accumulate else costs
-    share = plan_recompute_share(fb_costs, cps)[1]
+    share = plan_recompute_share(fb_costs, plan.checkpoints, plan.stored)[1]
     nxt = peak(best + 1, trace=True) if best < cap else None
-    return BatchFit(strategy, best, p, nxt, cps, share, verified)
+    return BatchFit(strategy, best, p, nxt, plan.checkpoints, share, verified, plan.stored)
 
 
 def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str | None) -> OptimizerMemory:
@@ -315,7 +317,7 @@ def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str 
     field is affine in the batch size, candidates are scored on interpolated
     costs (no tracing), otherwise each candidate is traced. The peak grows
     with the batch, so the largest fitting batch is found by doubling and
-    bisection: O(log b) simulations (and ``dp2`` solves for the optimal plan).
+    bisection: O(log b) simulations (and solves of the ``auto`` policy for the optimal plan).
     The answer ``b`` and ``b + 1`` are traced to confirm the interpolation.
     """
     mem = parse_bytes(memory)

@@ -9,15 +9,14 @@ from ..costs import ChainCosts
 from ..plan import segment_bounds
 from ..simulator import SimResult, simulate
 from ..solvers import solve
-from ..solvers.pareto import least_recompute
+from ..errors import InfeasibleBudget
+from ..plan import Plan
 from ..torch_utils import Inputs, normalize_inputs
 from ..tracer import trace
 from .optimizer import OptimizerMemory, optimizer_memory, step_peak
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
-           "least_recompute_plan", "trainable_sizes", "batch_of", "OPTIMAL_SOLVER"]
-
-OPTIMAL_SOLVER = "dp2"
+           "least_recompute_plan", "trainable_sizes", "batch_of"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,8 @@ class PeakEstimate:
         ``"no checkpointing"``, ``"optimal plan"``, ...
     checkpoints : tuple of int
         The plan (segment-start layers).
+    stored : tuple of int
+        Its segments left unwrapped (:attr:`ckptopt.Plan.stored`).
     peak_bytes : int
         ``max(forward_backward_bytes + state, step_bytes)``.
     forward_backward_bytes : int
@@ -84,16 +85,18 @@ class PeakEstimate:
     breakdown: Breakdown
     recompute_flops: int
     recompute_share: float
+    stored: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["checkpoints"] = list(self.checkpoints)
+        d["stored"] = list(self.stored)
         return d
 
 
-def plan_recompute_share(costs: ChainCosts, cps: tuple[int, ...]) -> tuple[int, float]:
+def plan_recompute_share(costs: ChainCosts, cps: tuple[int, ...], stored: tuple[int, ...] = ()) -> tuple[int, float]:
     """(forward compute re-run in backward, its share of a step = 3 forward passes)."""
-    sim = simulate(costs, cps)
+    sim = simulate(costs, cps, stored)
     return int(sim.recompute_flops), float(sim.recompute_share)
 
 
@@ -110,25 +113,25 @@ def _fb_breakdown(costs: ChainCosts, cps: tuple[int, ...], sim: SimResult) -> tu
     return int(G[i]), int(costs.b[i])
 
 
-def peak_estimate(costs: ChainCosts, cps: Sequence[int], opt: OptimizerMemory, param_bytes: int,
+def peak_estimate(costs: ChainCosts, plan: Plan | tuple[int, ...], opt: OptimizerMemory, param_bytes: int,
                   grad_bytes: int, label: str = "") -> PeakEstimate:
-    """Peak and breakdown of a training step under plan ``cps`` (see the module note).
+    """Peak and breakdown of a training step under ``plan`` (see the module note).
 
     Parameters
     ----------
     costs : ChainCosts
         The traced cost model (static = parameters + buffers + inputs).
-    cps : sequence of int
-        The plan.
+    plan : Plan or tuple of int
+        The plan (a tuple: segment-start layers, every segment but the last checkpointed).
     opt : OptimizerMemory
     param_bytes, grad_bytes : int
         Parameter bytes (in ``costs.static``) and gradient bytes of the trainable ones.
     """
-    cps = tuple(int(c) for c in cps)
-    sim = simulate(costs, cps)
+    cps, stored = (plan.checkpoints, plan.stored) if isinstance(plan, Plan) else (tuple(int(c) for c in plan), ())
+    sim = simulate(costs, cps, stored)
     fb = sim.peak_bytes
     stp = step_peak(costs, grad_bytes, opt)
-    redo, share = plan_recompute_share(costs, cps)
+    redo, share = plan_recompute_share(costs, cps, stored)
     other_static = costs.static - param_bytes
     if fb + opt.state_bytes >= stp:
         grads, transient = _fb_breakdown(costs, cps, sim)
@@ -142,16 +145,16 @@ def peak_estimate(costs: ChainCosts, cps: Sequence[int], opt: OptimizerMemory, p
     peak = max(fb + opt.state_bytes, stp)
     assert bd.total == peak, (bd, peak)
     name = costs.names[layer] if (layer is not None and costs.names is not None) else None
-    return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share)
+    return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share, stored)
 
 
-def optimal_plan(costs: ChainCosts, opt: OptimizerMemory, step_bytes: int) -> tuple[int, ...]:
+def optimal_plan(costs: ChainCosts, opt: OptimizerMemory, step_bytes: int) -> Plan:
     """The plan with the lowest step peak and, among those, the least recomputation.
 
-    The lowest forward+backward peak (``dp2``) plus the optimizer state may
-    lie below the optimizer step's peak; then any plan up to that level gives
-    the same step peak, and the one with the least recomputation (the
-    ``budget`` solver) is returned, often no checkpointing at all.
+    The lowest forward+backward peak (the ``auto`` policy, as ``optimize_checkpoints``)
+    plus the optimizer state may lie below the optimizer step's peak; then any plan up
+    to that level gives the same step peak, and the one with the least recomputation
+    (:func:`least_recompute_plan`) is returned, often no checkpointing at all.
 
     Parameters
     ----------
@@ -161,21 +164,23 @@ def optimal_plan(costs: ChainCosts, opt: OptimizerMemory, step_bytes: int) -> tu
     step_bytes : int
         The optimizer step's peak (:func:`step_peak` of the plain cost model).
     """
-    best = solve(costs, OPTIMAL_SOLVER)
+    best = solve(costs, "auto")
     target = max(best.peak_bytes + opt.state_bytes, step_bytes)
     found = least_recompute_plan(costs, target - opt.state_bytes)
-    return found[0] if found is not None else best.checkpoints
+    return found if found is not None else best
 
 
-def least_recompute_plan(costs: ChainCosts, budget: int) -> tuple[tuple[int, ...], str] | None:
+def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
     """The plan with the least recomputation whose forward+backward peak is at most ``budget``
-    (every segment but the last checkpointed), None when no plan fits."""
-    if solve(costs, "none").peak_bytes <= budget:
-        return (), "none"
-    # checkpoint-only plans: the plans here are carried as checkpoint tuples, so the budget
-    # solver's unwrapped middle segments (Plan.stored) are not used yet
-    found = least_recompute(costs, budget, allow_stored=False)
-    return (found[0], "budget") if found is not None else None
+    (no checkpointing when it fits, else the ``auto`` policy with that budget: middle segments
+    may stay unwrapped), None when no plan fits."""
+    none = solve(costs, "none")
+    if none.peak_bytes <= budget:
+        return none
+    try:
+        return solve(costs, "auto", budget=budget)
+    except InfeasibleBudget:
+        return None
 
 
 @dataclass(frozen=True)
@@ -239,8 +244,9 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     Notes
     -----
     The memory model and its assumptions are the module's note. The optimal
-    plan is the one with the lowest forward+backward peak (``dp2``); the
-    optimizer's figures do not depend on the plan.
+    plan is :func:`optimal_plan`'s (the ``auto`` policy's lowest peak, or the least
+    recomputation up to the optimizer step's peak); the optimizer's figures do not
+    depend on the plan.
     """
     inputs = normalize_inputs(example_inputs)
     tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
@@ -249,6 +255,6 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     opt = optimizer_memory(sizes, optimizer, impl, dev)
     grads = sum(sizes)
     none = peak_estimate(tm.costs, (), opt, tm.param_bytes, grads, "no checkpointing")
-    cps = optimal_plan(tm.costs, opt, step_peak(tm.costs, grads, opt))
-    optimal = peak_estimate(tm.costs, cps, opt, tm.param_bytes, grads, "optimal plan")
+    best = optimal_plan(tm.costs, opt, step_peak(tm.costs, grads, opt))
+    optimal = peak_estimate(tm.costs, best, opt, tm.param_bytes, grads, "optimal plan")
     return Estimate(batch_of(inputs), tm.n, opt, tm.param_bytes, grads, none, optimal)
