@@ -106,11 +106,18 @@ def test_not_a_module(thing):
         optimize_checkpoints(thing(), X)
 
 
-@pytest.mark.parametrize("inputs", [None, (), [], "x", {"x": X}], ids=["None", "empty-tuple", "empty-list",
-                                                                     "str", "dict"])
+@pytest.mark.parametrize("inputs", [None, (), [], "x", {}, {0: X}], ids=["None", "empty-tuple", "empty-list",
+                                                                        "str", "empty-dict", "int-keys"])
 def test_no_example_inputs(inputs):
-    err = expect(TypeError, "example_inputs must be a tensor or a non-empty tuple", small_model(), inputs)
+    err = expect(TypeError, "example_inputs must be a tensor, a non-empty tuple .* or a non-empty dict", small_model(),
+                 inputs)
     assert type(inputs).__name__ in str(err)
+
+
+def test_keyword_inputs_the_model_does_not_take():
+    """A dict is keyword arguments: a key the forward does not take fails with the model's own error."""
+    expect(TypeError, r"do not fit Sequential.forward: it takes \(input\), got 0 positional, x=", small_model(),
+           {"x": X})
 
 
 def test_wrong_example_inputs_shape():
@@ -119,7 +126,7 @@ def test_wrong_example_inputs_shape():
 
 
 def test_wrong_number_of_example_inputs():
-    expect(TraceError, r"example inputs match|takes .* positional|argument", small_model(), (X, X))
+    expect(TypeError, r"do not fit Sequential.forward: it takes \(input\), got 2 positional", small_model(), (X, X))
 
 
 def test_inputs_on_several_devices():

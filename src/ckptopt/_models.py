@@ -13,16 +13,24 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def load_model(spec: str, batch_size: int | None = None, input_size: int | None = None,
-               dtype: str = "fp32", **kwargs: Any) -> tuple[torch.nn.Module, tuple]:
-    """Build ``(model, example_inputs)`` from a zoo name or a ``module:factory`` spec.
+               dtype: str = "fp32", config: dict | None = None, **kwargs: Any) -> tuple[torch.nn.Module, Any]:
+    """Build ``(model, example_inputs)`` from a zoo name, ``hf:<transformers class>`` or a
+    ``module:factory`` spec.
 
     A factory is called with the keyword arguments it accepts among
     ``batch_size``, ``input_size`` and ``dtype`` and must return
-    ``(model, example_inputs)``.
+    ``(model, example_inputs)``. For ``hf:`` models ``input_size`` is the sequence
+    length and ``config`` overrides the config class's defaults.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
     dt = DTYPES[dtype]
+    if spec.startswith("hf:"):
+        from .zoo.hf import get_hf
+
+        return get_hf(spec, batch_size, input_size, config, dt)
+    if config:
+        raise ValueError("--config applies to hf: models only")
     if ":" in spec and not spec.startswith("torchvision:"):
         mod_name, _, attr = spec.partition(":")
         try:
@@ -44,7 +52,7 @@ def load_model(spec: str, batch_size: int | None = None, input_size: int | None 
         model, inputs = result
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
-        return model, tuple(inputs)
+        return model, inputs if isinstance(inputs, dict) else tuple(inputs)
     from . import zoo
 
     kw = dict(kwargs)

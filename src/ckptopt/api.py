@@ -14,6 +14,7 @@ from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
 from .torch_utils import fake_copy, normalize_inputs
 from .tracer import trace
+from .tracer.capture import check_capture_mode
 
 __all__ = ["optimize_checkpoints"]
 
@@ -25,6 +26,7 @@ def optimize_checkpoints(
     budget: int | None = None,
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
+    capture: str = "auto",
 ) -> CheckpointedModule:
     """Return ``model`` rewritten to train with the lowest peak memory.
 
@@ -32,8 +34,11 @@ def optimize_checkpoints(
     ----------
     model : nn.Module
         The model, in training mode, on the device it trains on.
-    example_inputs : Tensor or tuple
-        One batch of positional inputs, at the shapes training will use.
+    example_inputs : Tensor, tuple or dict
+        One training batch as the model is called: a tensor, a tuple of
+        positional arguments, or a dict of keyword arguments (``model(**batch)``,
+        what a HuggingFace collator yields), at the shapes training will use.
+        The returned module is called the same way.
     solver : str
         ``"auto"`` (:mod:`ckptopt.solvers.policy`): without a budget, the lowest
         peak (exact ``dp2`` up to 15,000 layers, ``linear`` beyond), the least
@@ -48,18 +53,27 @@ def optimize_checkpoints(
         Peak-memory budget in bytes; :class:`ckptopt.InfeasibleBudget` (with
         the smallest achievable peak) when no plan fits.
     loss_fn : callable, optional
-        ``loss_fn(output) -> scalar`` used for planning (the default,
-        ``output.pow(2).mean()``, has an output-sized gradient like most losses).
+        ``loss_fn(output) -> scalar`` used for planning. Default: the output's
+        ``loss`` when it carries one (a HuggingFace model given ``labels``), else
+        ``output.pow(2).mean()``, which has an output-sized gradient like most losses.
     leaf_modules : iterable of str or type, optional
         Submodules to trace as opaque layers (see :func:`ckptopt.trace`).
+    capture : str, default "auto"
+        How the forward becomes a graph: ``"fx"`` (``torch.fx``), ``"export"``
+        (``torch.export``, non-strict) or ``"auto"``: FX, and export for models
+        whose own forward FX cannot trace (HuggingFace transformers).
 
     Returns
     -------
     CheckpointedModule
         Drop-in module sharing ``model``'s parameters and buffers, with
-        ``.plan``, ``.predicted_peak_bytes`` and ``.explain()``. When no plan
-        beats no checkpointing it runs the model unchanged and says so in
-        ``explain()``.
+        ``.plan``, ``.predicted_peak_bytes`` and ``.explain()``; attributes it
+        does not have fall through to ``model`` (``.config``, ``.generate``).
+        It returns what ``model`` returns (a ``ModelOutput``, a dict, a tuple).
+        In eval mode, under ``torch.no_grad()`` and for calls that do not match
+        the planned signature, a ``torch.export``-captured model runs its own
+        forward. When no plan beats no checkpointing it runs the model unchanged
+        and says so in ``explain()``.
 
     Examples
     --------
@@ -70,11 +84,12 @@ def optimize_checkpoints(
     torch.Size([32, 64])
     """
     lookup(solver)  # fail on a bad name before tracing
+    check_capture_mode(capture)
     if budget is not None:
         check_budget(budget)  # and on a bad budget
     state = _python_state(model) if isinstance(model, nn.Module) else {}
     try:
-        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
+        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
         _check_forward_has_no_python_side_effects(model, example_inputs)
     finally:
         _restore_python_state(state)  # FX runs the forward's Python code on the model itself

@@ -88,22 +88,36 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="a zoo name (resnet50, gpt, ...: see ckptopt.zoo.names()) or package.module:factory "
-                        "returning (model, example_inputs)")
+                   help="a zoo name (resnet50, gpt, ...: see ckptopt.zoo.names()), hf:<transformers model class> "
+                        "(built from its config, no weights), or package.module:factory returning "
+                        "(model, example_inputs)")
     p.add_argument("--batch", type=int, metavar="B", help="batch size (default: the zoo's)")
-    p.add_argument("--input-size", type=int, metavar="S", help="image side, sequence length or features")
+    p.add_argument("--input-size", "--seq", type=int, metavar="S", dest="input_size",
+                   help="image side, sequence length or features")
+    p.add_argument("--config", action="append", metavar="KEY=VALUE",
+                   help="hf: models: a config setting (repeatable), e.g. --config n_layer=6")
+    p.add_argument("--capture", default="auto", choices=["auto", "fx", "export"],
+                   help="how the forward becomes a graph: torch.fx, torch.export, or auto (fx, then export)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="parameter/input dtype")
     p.add_argument("--leaf", action="append", metavar="MODULE",
                    help="submodule to trace as one opaque layer (repeatable)")
 
 
-def _load_and_trace(args):
+def _load(args):
     from ._models import load_model
+    from .zoo.hf import parse_overrides
+
+    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype,
+                               config=parse_overrides(args.config))
+    model.train()
+    return model, inputs
+
+
+def _load_and_trace(args):
     from .tracer import trace
 
-    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
-    model.train()
-    return model, inputs, trace(model, inputs, leaf_modules=args.leaf)
+    model, inputs = _load(args)
+    return model, inputs, trace(model, inputs, leaf_modules=args.leaf, capture=args.capture)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -163,12 +177,11 @@ def _measure(module, inputs) -> int:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from .api import optimize_checkpoints
-    from ._models import load_model
 
-    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
-    model.train()
+    model, inputs = _load(args)
     budget = parse_bytes(args.budget) if args.budget else None
-    opt = optimize_checkpoints(model, inputs, solver=args.solver, budget=budget, leaf_modules=args.leaf)
+    opt = optimize_checkpoints(model, inputs, solver=args.solver, budget=budget, leaf_modules=args.leaf,
+                               capture=args.capture)
     result = dict(model=args.model, solver=opt.plan.solver, checkpoints=list(opt.plan.checkpoints),
                   stored=list(opt.plan.stored), n_layers=opt.traced.n, predicted_peak_bytes=opt.predicted_peak_bytes,
                   no_checkpointing_predicted_bytes=opt.baseline_peak_bytes, solve_seconds=opt.plan.solve_seconds)
@@ -301,9 +314,9 @@ def _dtype_help(p: argparse.ArgumentParser) -> None:
 
 
 def _model_header(args, tm_n: int, inputs) -> str:
-    import torch
+    from .torch_utils import normalize_inputs
 
-    shapes = ", ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+    shapes = ", ".join("x".join(map(str, t.shape)) for t in normalize_inputs(inputs).tensors())
     return f"{args.model}: {tm_n} layers, inputs {shapes} ({args.dtype})"
 
 
@@ -318,12 +331,11 @@ def _where(pe) -> str:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from ._models import load_model
     from .planning import estimate
 
-    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
-    model.train()
-    est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf)
+    model, inputs = _load(args)
+    est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf,
+                   capture=args.capture)
     if args.json:
         json.dump(dict(model=args.model, dtype=args.dtype, device=args.device, **est.to_dict()), sys.stdout, indent=1)
         print()
@@ -362,15 +374,13 @@ def _fit_line(fit) -> str:
 
 
 def cmd_max_batch(args: argparse.Namespace) -> int:
-    from ._models import load_model
     from .planning import max_batch, plan_training
 
     memory = parse_bytes(args.memory)
     if args.target_batch is not None and args.target_batch < 1:
         raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
-    model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype)
-    model.train()
-    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf)
+    model, inputs = _load(args)
+    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture)
     mb = max_batch(model, inputs, memory, **kw)
     plan = plan_training(model, inputs, args.target_batch, memory, **kw) if args.target_batch else None
     if args.json:
@@ -380,9 +390,9 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
         json.dump(out, sys.stdout, indent=1)
         print()
         return 0
-    import torch
+    from .torch_utils import normalize_inputs
 
-    shapes = ", ".join("x".join(map(str, t.shape[1:])) or "scalar" for t in inputs if isinstance(t, torch.Tensor))
+    shapes = ", ".join("x".join(map(str, t.shape[1:])) or "scalar" for t in normalize_inputs(inputs).tensors())
     opt = mb.optimizer
     print(f"{args.model}: per-sample input {shapes} ({args.dtype}), memory {format_bytes(memory)}, "
           f"optimizer {opt.name} ({opt.impl} step, {args.device})")

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .plan import Plan
 from .simulator import simulate
+from .torch_utils import Inputs
 from .tracer.chain import TracedModel
 from .tracer.cuts import subgraph_module
 from .units import format_bytes
@@ -180,8 +181,7 @@ class CheckpointedModule(nn.Module):
         self.baseline_peak_bytes = simulate(traced.costs, ()).peak_bytes
         self._warned_shapes = False
         gm = traced.gm
-        self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self._ph_names = tuple(n.name for n in self._placeholders)
+        self._ph_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._copy_root_attrs(model, gm)
         # node groups: a plan over graph nodes rather than the chain's layers (ckptopt.experimental)
@@ -191,11 +191,13 @@ class CheckpointedModule(nn.Module):
 
     # -- construction ---------------------------------------------------------
     def _copy_root_attrs(self, model: nn.Module, gm: fx.GraphModule) -> None:
+        """Attributes the graph reads that are not the model's submodules, parameters or buffers:
+        the model's own, else the graph's (an exported graph's constants and subgraphs)."""
         for n in gm.graph.nodes:
             if n.op == "get_attr":
                 head = n.target.split(".")[0]
                 if head not in self._modules and head not in self._parameters and head not in self._buffers:
-                    object.__setattr__(self, head, getattr(model, head))
+                    object.__setattr__(self, head, getattr(model, head) if hasattr(model, head) else getattr(gm, head))
 
     @staticmethod
     def _chain_groups(tm: TracedModel, plan: Plan) -> tuple[list[list[fx.Node]], list[bool]]:
@@ -205,6 +207,9 @@ class CheckpointedModule(nn.Module):
         n_model = len(layers) - 1 if has_loss_layer else len(layers)
         nodes = _graph_nodes(tm.gm)
         groups, wrapped = [], []
+        if tm.hoisted:  # static values read by several layers: computed once, first, never re-run
+            groups.append([nodes[nm] for nm in tm.hoisted])
+            wrapped.append(False)
         # the segment holding the loss (the plan's last) is never wrapped
         last_plan_seg_includes_model = plan.segments[-1][0] <= n_model - 1
         bounds = [(first, min(last, n_model - 1)) for first, last in plan.segments if first <= n_model - 1]
@@ -239,21 +244,14 @@ class CheckpointedModule(nn.Module):
         return self
 
     # -- running ----------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> list:
-        if len(args) > len(self._placeholders):
-            raise TypeError(f"forward() takes {len(self._placeholders)} inputs, got {len(args)}")
-        vals = list(args)
-        for n in self._placeholders[len(args):]:
-            name = n.target.lstrip("*")
-            if name in kwargs:
-                vals.append(kwargs.pop(name))
-            elif n.args:
-                vals.append(n.args[0])
-            else:
-                raise TypeError(f"forward() missing argument {name!r}")
-        if kwargs:
-            raise TypeError(f"forward() got unexpected keyword arguments {sorted(kwargs)}")
-        return vals
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)  # .config, .save_pretrained, .generate ... fall through
 
     def _check_shapes(self, vals: list) -> None:
         if self._warned_shapes:
@@ -271,15 +269,24 @@ class CheckpointedModule(nn.Module):
             self._warned_shapes = True
 
     def forward(self, *args, **kwargs):
-        vals = self._bind(args, dict(kwargs))
-        self._check_shapes(vals)
-        do_ckpt = self.training and torch.is_grad_enabled()
+        captured = self.traced.capture
+        active = self.training and torch.is_grad_enabled()
+        exported = captured.front_end != "fx"
+        if exported and (not active or self.training != captured.training):
+            # an exported graph has the training mode baked in: eval, no_grad and generate() run
+            # the original forward (nothing to recompute there anyway)
+            return self.original(*args, **kwargs)
+        vals = captured.bind(Inputs(args, kwargs))
+        if vals is None:  # not the planned call (other keywords, flags or dtypes): the original forward
+            return self.original(*args, **kwargs)
+        if not exported:
+            self._check_shapes(vals)
         env = dict(zip(self._ph_names, vals))
         del vals
         for seg in self._segments:
             inputs = [env[nm] for nm in seg.input_names]
             fn = _bound(seg.code, self)
-            if seg.wrapped and do_ckpt:
+            if seg.wrapped and active:
                 res = checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=True)
             elif seg.wrapped:
                 res = fn(*inputs)
@@ -292,8 +299,27 @@ class CheckpointedModule(nn.Module):
             del res
             for nm in seg.drop_names:  # hold no tensor longer than the unmodified model does
                 env.pop(nm, None)
-        return fx.node.map_arg(self._out_node.args[0],
-                               lambda n: env[n.name] if n.op != "get_attr" else _attr(self, n.target))
+        out = fx.node.map_arg(self._out_node.args[0],
+                              lambda n: env[n.name] if n.op != "get_attr" else _attr(self, n.target))
+        return captured.rebuild(out)
+
+    def predicted_peak_for(self, *args, **kwargs) -> int:
+        """The predicted peak of one training step under this plan for a batch of other shapes.
+
+        The plan's cuts do not depend on the shapes (a batch of another size or
+        sequence length runs the same segments); this re-measures the layers at the
+        given batch's shapes on fake tensors (no memory, no new capture) and
+        simulates the plan.
+        """
+        from .tracer.chain import trace_captured
+
+        if not isinstance(self.plan, Plan):
+            raise TypeError("predicted_peak_for needs a chain plan (ckptopt.Plan)")
+        tm = trace_captured(self.original, self.traced.capture, Inputs(args, kwargs), self.traced.loss_fn)
+        if tm.n != self.traced.n:
+            raise ValueError(f"at these shapes the model traces into {tm.n} layers, not {self.traced.n}: "
+                             "call optimize_checkpoints with this batch")
+        return simulate(tm.costs, self.plan.checkpoints, self.plan.stored).peak_bytes
 
     # -- reporting ------------------------------------------------------------------
     def explain(self) -> str:
@@ -316,6 +342,12 @@ class CheckpointedModule(nn.Module):
             f"({100.0 * (pred - base) / base:+.1f}%); static (parameters, buffers, inputs) "
             f"{format_bytes(costs.static)}",
         ]
+        captured = tm.capture
+        if captured is not None and captured.front_end != "fx":
+            shapes = ("any batch size and sequence length run the same segments (predicted_peak_for(batch) "
+                      "prices them)" if captured.dynamic else "other shapes run the original forward")
+            lines.append(f"captured with torch.export ({'; '.join(captured.notes) or 'as asked'}); {shapes}; "
+                         "eval mode and no_grad run the original forward")
         if not plan.checkpoints:
             lines.append("checkpointing cannot lower the peak of this model at these shapes: "
                          "it runs unchanged (one unwrapped segment)")

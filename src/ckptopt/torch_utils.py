@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -83,12 +84,13 @@ class Inputs:
 
 def normalize_inputs(example_inputs: Any) -> Inputs:
     """``example_inputs`` as :class:`Inputs`: a tensor is the one positional argument, a tuple
-    (or list) the positional arguments.
+    (or list) the positional arguments, a mapping (a dict, a HuggingFace ``BatchEncoding``) the
+    keyword arguments, ``model(**batch)``. Non-tensor values (None, flags) may appear.
 
     Raises
     ------
     TypeError
-        For anything else (nothing, an empty tuple, a string, a dict), saying what to pass.
+        For anything else (nothing, an empty tuple or dict, a string), saying what to pass.
     """
     if isinstance(example_inputs, Inputs):
         return example_inputs
@@ -96,9 +98,11 @@ def normalize_inputs(example_inputs: Any) -> Inputs:
         return Inputs((example_inputs,))
     if isinstance(example_inputs, (tuple, list)) and len(example_inputs):
         return Inputs(tuple(example_inputs))
+    if isinstance(example_inputs, Mapping) and len(example_inputs) and all(isinstance(k, str) for k in example_inputs):
+        return Inputs((), dict(example_inputs))
     raise TypeError(
-        "example_inputs must be a tensor or a non-empty tuple of the model's positional arguments, "
-        f"got {type(example_inputs).__name__}"
+        "example_inputs must be a tensor, a non-empty tuple of the model's positional arguments or a "
+        f"non-empty dict of its keyword arguments (model(**batch)), got {type(example_inputs).__name__}"
     )
 
 
@@ -131,14 +135,21 @@ def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
 # the default loss
 # --------------------------------------------------------------------------
 def default_loss(out: Any) -> torch.Tensor:
-    """``out.float().pow(2).mean()``, summed over the output's tensors that require grad.
+    """The output's own ``loss`` when it carries one (HuggingFace's convention: a model given
+    ``labels`` returns ``.loss``), else ``out.float().pow(2).mean()``, summed over the output's
+    tensors that require grad.
 
     Not ``.sum()``: its gradient is an expanded 4-byte tensor, which hides the
     output-gradient term that every real loss has (``docs/design.md`` §2).
     """
+    own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if isinstance(own, torch.Tensor) and own.numel() == 1:
+        return own
     if isinstance(out, torch.Tensor):
         return out.float().pow(2).mean()
-    terms = [t.float().pow(2).mean() for t in tensor_leaves(out) if t.requires_grad]
+    leaves = tensor_leaves(out)
+    grads = [t for t in leaves if t.requires_grad] or [t for t in leaves if t.is_floating_point()]  # no_grad: all
+    terms = [t.float().pow(2).mean() for t in grads]
     loss = terms[0]
     for term in terms[1:]:
         loss = loss + term

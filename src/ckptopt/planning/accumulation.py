@@ -104,7 +104,7 @@ def _steps_range(target: int, m_first: int, m_last: int | None, limit: int) -> l
 
 
 def plan_training(model, example_inputs, target_batch: int, memory, optimizer: str = "adam",
-                  impl: str | None = None, device: str | None = None, loss_fn=None, leaf_modules=None,
+                  impl: str | None = None, device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
                   max_options: int = 8) -> TrainingPlan:
     """Micro-batch and accumulation steps that reach ``target_batch`` within ``memory``.
 
@@ -123,7 +123,7 @@ def plan_training(model, example_inputs, target_batch: int, memory, optimizer: s
         The memory of the device (``"8GiB"``...).
     max_options : int, default 8
         At most this many options between the two ends (the ends are always listed).
-    optimizer, impl, device, loss_fn, leaf_modules
+    optimizer, impl, device, loss_fn, leaf_modules, capture
         As for :func:`estimate`.
 
     Returns
@@ -140,7 +140,7 @@ def plan_training(model, example_inputs, target_batch: int, memory, optimizer: s
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
         raise ValueError(f"target_batch must be a positive integer, got {target_batch!r}")
     mem = parse_bytes(memory)
-    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
     whole = _option(bc, target_batch, 1, mem, opt)
     options = [whole]

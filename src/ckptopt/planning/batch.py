@@ -10,6 +10,7 @@ from ..plan import Plan
 from ..solvers import solve
 from ..torch_utils import Inputs, normalize_inputs
 from ..tracer import trace
+from ..tracer.chain import trace_captured
 from ..units import parse_bytes
 from .estimate import batch_of, optimal_plan, plan_recompute_share, trainable_sizes
 from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
@@ -93,8 +94,10 @@ class BatchCosts:
     model : nn.Module
     example_inputs : tuple
         One batch; other batch sizes repeat its rows (:func:`with_batch`).
-    loss_fn, leaf_modules
-        As for :func:`ckptopt.trace`.
+    loss_fn, leaf_modules, capture
+        As for :func:`ckptopt.trace`. The model is captured once; a graph that runs
+        at any batch size (``torch.fx``, or ``torch.export`` with dynamic shapes) is
+        re-measured at the other sizes without a new capture.
     probe : tuple of three ints, default (4, 5, 16)
         The batch sizes traced to fit the affine model (first two) and to check it.
 
@@ -108,13 +111,14 @@ class BatchCosts:
         How many times the fit was moved near an answer.
     """
 
-    def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16)):
+    def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16), capture="auto"):
         self.model = model
         self.inputs = normalize_inputs(example_inputs)
         self.example_batch = batch_of(self.inputs)
         if self.example_batch is None:
             raise ValueError("the example inputs have no batch dimension (no tensor with a first dimension)")
-        self.loss_fn, self.leaf_modules = loss_fn, leaf_modules
+        self.loss_fn, self.leaf_modules, self.capture = loss_fn, leaf_modules, capture
+        self._captured = None
         self.traces = 0
         self.refits = 0
         self._traced: dict[int, Any] = {}
@@ -143,8 +147,14 @@ class BatchCosts:
         if batch not in self._traced:
             inputs = with_batch(self.inputs, batch, self.example_batch)
             try:
-                self._traced[batch] = trace(self.model, inputs, loss_fn=self.loss_fn,
-                                            leaf_modules=self.leaf_modules)
+                if self._captured is not None:
+                    tm = trace_captured(self.model, self._captured, inputs, self.loss_fn)
+                else:
+                    tm = trace(self.model, inputs, loss_fn=self.loss_fn, leaf_modules=self.leaf_modules,
+                               capture=self.capture)
+                    if tm.capture.front_end != "fx" and tm.capture.dynamic:
+                        self._captured = tm.capture  # exporting again at each size would cost seconds
+                self._traced[batch] = tm
             except Exception as exc:
                 raise type(exc)(f"tracing the model at batch size {batch} failed: {exc}") from exc
             self.traces += 1
@@ -294,7 +304,7 @@ def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str 
 
 
 def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str | None = None,
-              device: str | None = None, loss_fn=None, leaf_modules=None) -> MaxBatch:
+              device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto") -> MaxBatch:
     """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
 
     Parameters
@@ -304,7 +314,7 @@ def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str 
         One batch of any size; other sizes repeat its rows along dimension 0.
     memory : int or str
         Bytes, or a size such as ``"8GiB"``, ``"8GB"``, ``"512MiB"``.
-    optimizer, impl, device, loss_fn, leaf_modules
+    optimizer, impl, device, loss_fn, leaf_modules, capture
         As for :func:`estimate`.
 
     Returns
@@ -321,7 +331,7 @@ def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str 
     The answer ``b`` and ``b + 1`` are traced to confirm the interpolation.
     """
     mem = parse_bytes(memory)
-    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
     none = search_batch(bc, "none", mem, opt)
     best = search_batch(bc, "optimal", mem, opt)

@@ -218,15 +218,16 @@ def batch_of(inputs: Inputs) -> int | None:
 
 
 def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = None, device: str | None = None,
-             loss_fn: Callable | None = None, leaf_modules=None) -> Estimate:
+             loss_fn: Callable | None = None, leaf_modules=None, capture: str = "auto") -> Estimate:
     """Predicted peak of one training step, optimizer step included, without and with the optimal plan.
 
     Parameters
     ----------
     model : nn.Module
         In training mode, on the device and in the dtype it will train in.
-    example_inputs : Tensor or tuple
-        One batch (only shapes and dtypes are used: the model is traced on fake tensors).
+    example_inputs : Tensor, tuple or dict
+        One batch as the model is called (only shapes and dtypes are used: the model is
+        traced on fake tensors).
     optimizer : str, default "adam"
         ``none`` (forward and backward only), ``sgd``, ``sgd-momentum`` (0.9),
         ``adam`` or ``adamw``, with PyTorch's default arguments otherwise.
@@ -234,7 +235,7 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
         ``for-loop`` or ``foreach`` optimizer step; default PyTorch's default on ``device``.
     device : str, optional
         Default: the model's device.
-    loss_fn, leaf_modules
+    loss_fn, leaf_modules, capture
         As for :func:`ckptopt.trace`.
 
     Returns
@@ -249,7 +250,7 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     depend on the plan.
     """
     inputs = normalize_inputs(example_inputs)
-    tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
+    tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
     sizes = trainable_sizes(model)
     dev = device or str(next(model.parameters()).device)
     opt = optimizer_memory(sizes, optimizer, impl, dev)

@@ -30,10 +30,12 @@ from ..costs import ChainCosts
 from ..errors import TraceError
 from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, normalize_inputs, storage_nbytes,
                            tensor_leaves)
-from .capture import fx_capture
+from .capture import Captured, check_capture_mode, module_path
+from .capture import capture as capture_graph
 from .cuts import WithLoss, candidate_groups, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
 from .propagate import FakeRecorder, autocast_cache_bytes
+from .statics import hoisted_nodes, static_nodes
 
 __all__ = ["trace", "TracedModel", "Layer"]
 
@@ -56,6 +58,9 @@ class Layer:
         here) and the one leaving it.
     costs : LayerMeasurement
         The measured chain-model quantities.
+    static_inputs : tuple of str
+        Static values the layer also reads (model inputs that need no gradient,
+        masks computed from them): held for the whole step, not checkpoints.
     flops : int
         Forward compute: floating-point operations from
         ``torch.utils.flop_counter``, plus one per output element of every
@@ -71,6 +76,7 @@ class Layer:
     output_node: str
     costs: LayerMeasurement
     flops: int = 0
+    static_inputs: tuple[str, ...] = ()
 
     @property
     def op(self) -> str:
@@ -98,6 +104,15 @@ class TracedModel:
         Submodules traced as one opaque layer because FX could not trace
         into them, with the reason.
     input_bytes, param_bytes, buffer_bytes : int
+    example_shapes : tuple
+        Shapes of the example's tensors.
+    loss_fn : callable
+    capture : Captured
+        What the capture stage returned: the front end, how to bind a call to
+        the graph and how to rebuild the model's output.
+    hoisted : tuple of str
+        Static graph nodes computed once before the first layer (counted in
+        the static bytes; :mod:`ckptopt.tracer.statics`).
     """
 
     gm: fx.GraphModule
@@ -110,6 +125,8 @@ class TracedModel:
     buffer_bytes: int
     example_shapes: tuple
     loss_fn: Callable | None = None
+    capture: Captured | None = None
+    hoisted: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:
@@ -149,6 +166,7 @@ def trace(
     example_inputs: Any,
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
+    capture: str = "auto",
 ) -> TracedModel:
     """Trace ``model`` into a chain cost model without allocating activations.
 
@@ -156,16 +174,24 @@ def trace(
     ----------
     model : nn.Module
         In the mode it will train in (``model.train()``).
-    example_inputs : Tensor or tuple
-        Positional arguments of one training forward (the batch size and
-        shapes the plan is made for). Only their shapes and dtypes are used.
+    example_inputs : Tensor, tuple or dict
+        One training batch as the model is called: a tensor, a tuple of positional
+        arguments, or a dict of keyword arguments (``model(**batch)``, as
+        HuggingFace collators yield). Non-tensor values (None, flags) are allowed.
+        Only shapes and dtypes are used.
     loss_fn : callable, optional
-        ``loss_fn(output) -> scalar``; default ``output.float().pow(2).mean()``
+        ``loss_fn(output) -> scalar``; default: the output's ``loss`` when it has
+        one (HuggingFace models given ``labels``), else ``output.float().pow(2).mean()``
         summed over tensor outputs (what :func:`ckptopt.measure_peak` uses).
     leaf_modules : iterable of str or type, optional
         Submodules (by qualified name, e.g. ``"transformer.h.0"``, or by
-        class) to treat as one opaque layer each. Submodules FX cannot trace
-        are made opaque automatically; this is the explicit override.
+        class) to treat as one opaque layer each (``torch.fx`` capture).
+        Submodules FX cannot trace are made opaque automatically; this is the
+        explicit override.
+    capture : str, default "auto"
+        ``"fx"`` (``torch.fx`` symbolic tracing), ``"export"`` (``torch.export``,
+        non-strict) or ``"auto"``: FX, and export when FX cannot trace the model
+        (:mod:`ckptopt.tracer.capture`).
 
     Returns
     -------
@@ -174,26 +200,42 @@ def trace(
     Raises
     ------
     TraceError
-        The model's own forward cannot be traced (the message names the
-        construct), or a submodule fails even as an opaque layer.
+        The model cannot be captured (the message names the construct and what
+        to try), or a layer cannot be measured.
     TypeError, ValueError
         Bad model or inputs (not a Module, no trainable parameters, mixed
         devices, inputs the model rejects).
 
     Notes
     -----
-    Under an active ``torch.autocast`` context the layers are measured as
-    they run under it (bf16/fp16 activations where autocast casts), and the
-    weight copies autocast caches for the step count as static memory (the
-    figures assume backward runs inside the same autocast context, as
-    :func:`ckptopt.measure_peak` does; with backward outside it the cache is
-    dropped earlier and the prediction errs high by at most that amount).
+    Model inputs that need no gradient are static memory (the caller holds the
+    batch): any layer may read them. Under an active ``torch.autocast`` context
+    the layers are measured as they run under it (bf16/fp16 activations where
+    autocast casts), and the weight copies autocast caches for the step count as
+    static memory (the figures assume backward runs inside the same autocast
+    context, as :func:`ckptopt.measure_peak` does; with backward outside it the
+    cache is dropped earlier and the prediction errs high by at most that amount).
     """
+    check_capture_mode(capture)
     inputs = check_model_and_inputs(model, example_inputs)
-    loss_fn = loss_fn or default_loss
-    gm, opaque = fx_capture(model, leaf_modules)
+    captured = capture_graph(model, inputs, capture, leaf_modules)
+    return trace_captured(model, captured, inputs, loss_fn)
 
-    fake = fake_copy(gm, inputs)
+
+def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
+                   loss_fn: Callable | None = None) -> TracedModel:
+    """The cost model of an already captured graph at these inputs' shapes (no new capture):
+    what :func:`trace` runs after its capture stage, and what re-prices a plan at other shapes."""
+    inputs = normalize_inputs(example_inputs)
+    loss_fn = loss_fn or default_loss
+    gm = captured.gm
+    flat = captured.bind(inputs)
+    if flat is None:
+        takes = ", ".join(n.target for n in captured.placeholders)
+        given = [f"{len(inputs.args)} positional"] + [f"{k}=" for k in inputs.kwargs]
+        raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward: it takes ({takes}), got "
+                        f"{', '.join(given)}; pass the batch as the model is called in training")
+    fake = fake_copy(gm, Inputs(tuple(flat)))
     fake_gm, fake_mode = fake.model, fake.mode
     rec = FakeRecorder(fake_gm)
     with fake_mode, torch.enable_grad():
@@ -206,7 +248,20 @@ def trace(
             "nothing to checkpoint"
         )
 
-    groups = candidate_groups(fake_gm, values)
+    # static values: model inputs needing no gradient; on op-level (export) graphs also what is
+    # computed from them alone, hoisted before the first layer when read by several layers
+    placeholders = [n for n in fake_gm.graph.nodes if n.op == "placeholder"]
+    derived = captured.front_end != "fx"
+    static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
+                                                           if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
+    groups = candidate_groups(fake_gm, values, static)
+    hoisted = hoisted_nodes([g for g, _ in groups], static, values) if derived else []
+    groups = [([n for n in members if n not in set(hoisted)], first) for members, first in groups]
+    groups = [g for g in groups if g[0]]  # (empty: made only of hoisted nodes)
+    if derived:  # op-level graphs: assertions and same-dtype casts between blocks are no layers
+        groups = _merge_pass_through(groups, values)
+    readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
+
     out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
     model_output = out_node.args[0]
     single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
@@ -217,28 +272,22 @@ def trace(
     for j, (members, first_in) in enumerate(groups):
         last = j == len(groups) - 1
         output = model_output if last else groups[j + 1][1]
-        body = subgraph_module(fake_gm, members, first_in, output, values)
-        module = body if not (last and not single_output) else WithLoss(body, loss_fn)
-        x = values[first_in] if first_in is not None else None
-        if x is None or not isinstance(x, torch.Tensor):
-            raise TraceError(
-                "the model takes several tensor inputs (or none); tracing supports one tensor input "
-                "(plus non-tensor arguments) for now: wrap the model in a module that takes one "
-                "tensor, e.g. the inputs stacked or concatenated",
-                node=members[0].name,
-            )
+        x_node, statics = _layer_inputs(members, first_in if j else None, readable, values, placeholders)
+        body = subgraph_module(fake_gm, members, [x_node] + statics, output, values)
+        module = body if not (last and not single_output) else WithLoss(body, loss_fn, captured.rebuild)
         for p in module.parameters():
             param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
-        built.append((members, first_in, output, module, x))
+        built.append((members, x_node, statics, output, module))
     with fake_mode, torch.enable_grad():
-        for j, (members, first_in, output, module, x) in enumerate(built):
+        for j, (members, x_node, statics, output, module) in enumerate(built):
+            x, extra = values[x_node], [values[s] for s in statics]
             # a tied or reused weight whose gradient a later layer already created
             existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
             try:
                 # an input the previous layer saves stays alive through this layer's backward
                 keep = bool(layers and layers[-1].costs.sout)
                 kw = dict(input_requires_grad=bool(x.requires_grad), grads_exist=existing,
-                          leaf_input=bool(x.requires_grad and x.is_leaf))
+                          leaf_input=bool(x.requires_grad and x.is_leaf), static_inputs=extra)
                 m = measure_layer(module, x, keep_input=keep, **kw)
                 if m.sin and not keep:
                     # the input is held through this layer's backward when something else holds
@@ -249,10 +298,11 @@ def trace(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
                     node=members[0].name,
                 ) from exc
-            layers.append(Layer(j, _layer_name(fake_gm, members), tuple(n.name for n in members),
+            name = _layer_name(fake_gm, members) if captured.front_end == "fx" else _path_name(members)
+            layers.append(Layer(j, name, tuple(n.name for n in members),
                                 tuple(op_label(fake_gm, n) for n in members),
-                                first_in.name, (output.name if isinstance(output, fx.Node) else "<output>"), m,
-                                forward_flops(module, x)))
+                                x_node.name, (output.name if isinstance(output, fx.Node) else "<output>"), m,
+                                forward_flops(module, x, extra), tuple(s.name for s in statics)))
         if single_output:
             y = values[model_output]
             loss_layer = WithLoss(None, loss_fn)
@@ -268,18 +318,71 @@ def trace(
     param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
     buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
     input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
+    fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
+    kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
+    hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
+    hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
+                     - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
     costs = ChainCosts(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
         bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
         dead=[l.costs.dead for l in layers],
-        static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes,
+        static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],
     )
     graph = _nx_graph(gm, values, fake_gm)
-    return TracedModel(gm, graph, layers, costs, opaque, input_bytes, param_bytes, buffer_bytes,
-                       inputs.shapes, loss_fn)
+    return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
+                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted))
+
+
+def _merge_pass_through(groups: list[tuple[list[fx.Node], fx.Node | None]],
+                        values: dict) -> list[tuple[list[fx.Node], fx.Node | None]]:
+    """Join a group whose output is its own input (a storage alias: an assertion, a cast to the
+    same dtype, a view) to the next one: a layer that hands on its input is no layer."""
+    out: list[tuple[list[fx.Node], fx.Node | None]] = []
+    for members, first in groups:
+        if out and first is not None and out[-1][1] is not None and _same_storage(
+                values.get(first), values.get(out[-1][1])):
+            out[-1] = (out[-1][0] + members, out[-1][1])
+        else:
+            out.append((members, first))
+    return out
+
+
+def _same_storage(a: Any, b: Any) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a is b or torch._C._is_alias_of(a, b))
+
+
+def _layer_inputs(members: list[fx.Node], first_in: fx.Node | None, readable: set[fx.Node], values: dict,
+                  placeholders: list[fx.Node]) -> tuple[fx.Node, list[fx.Node]]:
+    """The layer's chain input and the static values it reads besides (in first-read order).
+
+    After a cut the chain input is the tensor crossing it. The first layer's is the model
+    input that requires grad (at most one), else the first static tensor it reads.
+    """
+    own = set(members)
+    reads: list[fx.Node] = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in own and a not in reads and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor):
+                reads.append(a)
+    if first_in is None:
+        grad = [a for a in reads if a.op == "placeholder" and values[a].requires_grad]
+        if len(grad) > 1:
+            raise TraceError(
+                f"the model takes several inputs that require grad ({', '.join(a.name for a in grad)}); the chain "
+                "model gives the first layer one such input: wrap the model so that one tensor requiring grad "
+                "goes in (e.g. the inputs concatenated), or detach the others",
+                node=members[0].name,
+            )
+        candidates = grad or [a for a in reads if a in readable]
+        if not candidates:
+            raise TraceError("the first layer reads no tensor input; pass the batch as tensors",
+                             node=members[0].name)
+        first_in = candidates[0]
+    return first_in, [a for a in reads if a is not first_in and a in readable]
 
 
 def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
@@ -290,6 +393,28 @@ def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
             return prefix
         return mods[0] if len(mods) == 1 and len(members) <= 2 else f"{mods[0]}..{mods[-1]}" if len(mods) > 1 else mods[0]
     return members[0].name if len(members) == 1 else f"{members[0].name}..{members[-1].name}"
+
+
+def _path_name(members: list[fx.Node]) -> str:
+    """A layer's name from the module paths its nodes ran in (op-level graphs): the deepest
+    module holding all of them (``model.layers.3``), with the first and last of its children
+    the layer covers when that module is split over several layers (``transformer.h.0 (ln_2..mlp)``);
+    a layer of root-level ops is named after them (its loss, when it computes one)."""
+    paths = [p for p in (module_path(n) for n in members) if p]
+    if not paths:
+        last = members[-1].name
+        return f"loss ({last})" if "loss" in last else (
+            last if len(members) == 1 else f"{members[0].name}..{last}")
+    distinct = list(dict.fromkeys(paths))
+    # glue ops of an enclosing module (a residual add in the block itself) do not name the layer
+    paths = [p for p in distinct if not any(q.startswith(p + ".") for q in distinct)]
+    prefix = _common_prefix(paths)
+    if len(paths) == 1:
+        return paths[0]
+    depth = len(prefix.split(".")) if prefix else 0
+    children = list(dict.fromkeys(p.split(".")[depth] for p in paths))
+    inner = children[0] if len(children) == 1 else f"{children[0]}..{children[-1]}"
+    return f"{prefix} ({inner})" if prefix else inner
 
 
 def _common_prefix(names: list[str]) -> str:

@@ -42,16 +42,23 @@ def _aliases(out: Any, args: list[torch.Tensor]) -> bool:
     return any(torch._C._is_alias_of(o, a) for o in outs for a in args)
 
 
-def candidate_groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Node], fx.Node]]:
+def candidate_groups(gm: fx.GraphModule, values: dict,
+                     static: set[fx.Node] = frozenset()) -> list[tuple[list[fx.Node], fx.Node | None]]:
     """Split the op nodes into groups at candidate cuts.
 
-    Returns ``[(nodes, input_node), ...]``: the input of the first group is the
-    model input placeholder (or None when there are several inputs).
+    ``static``: nodes whose values are static (:mod:`ckptopt.tracer.statics`): they
+    never count in a live set, so any layer may read them. A model input that
+    requires grad is not static; no cut is offered while it is still to be read.
+
+    Returns ``[(nodes, input_node), ...]``: the input of a group after the first is
+    the single tensor live at its cut; that of the first group is the model's
+    tensor input when it has exactly one, else None.
     """
     nodes = list(gm.graph.nodes)
     ops = [n for n in nodes if n.op in OPS]
     pos = {n: i for i, n in enumerate(ops)}
     inputs = [n for n in nodes if n.op == "placeholder"]
+
     def is_tensor_value(n):
         v = values.get(n)
         return bool(tensor_leaves(v))
@@ -62,14 +69,14 @@ def candidate_groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Nod
         for u in n.users:
             p = pos.get(u, len(ops))
             last_use[n] = max(last_use.get(n, -1), p)
-    input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n)] or [-1])
+    input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n) and n not in static] or [-1])
 
     # sweep: live tensor-valued op nodes before position k
     cuts = []
     live: set[fx.Node] = set()
     for k in range(1, len(ops)):
         prev = ops[k - 1]
-        if is_tensor_value(prev) and last_use.get(prev, -1) >= k:
+        if is_tensor_value(prev) and prev not in static and last_use.get(prev, -1) >= k:
             live.add(prev)
         live = {n for n in live if last_use.get(n, -1) >= k}
         if len(live) != 1 or k <= input_last:
@@ -92,7 +99,7 @@ def candidate_groups(gm: fx.GraphModule, values: dict) -> list[tuple[list[fx.Nod
             first_in = tensor_inputs[0] if len(tensor_inputs) == 1 else None
         else:
             # the single live tensor at the cut
-            first_in = next(n for n in ops[: bounds[j]] if last_use.get(n, -1) >= bounds[j]
+            first_in = next(n for n in ops[: bounds[j]] if n not in static and last_use.get(n, -1) >= bounds[j]
                             and isinstance(values.get(n), torch.Tensor))
         groups.append((members, first_in))
     return groups
@@ -136,12 +143,15 @@ def subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node 
 
 
 class WithLoss(nn.Module):
-    """``loss_fn(body(x))``: a layer that ends with the loss (or the loss alone, ``body=None``)."""
+    """``loss_fn(rebuild(body(x, *static)))``: a layer that ends with the loss (the loss alone for
+    ``body=None``); ``rebuild`` turns the graph's output into what the model returns."""
 
-    def __init__(self, body: nn.Module | None, loss_fn: Callable):
+    def __init__(self, body: nn.Module | None, loss_fn: Callable, rebuild: Callable | None = None):
         super().__init__()
         self.body = body
         self.loss_fn = loss_fn
+        self.rebuild = rebuild
 
-    def forward(self, x):
-        return self.loss_fn(self.body(x) if self.body is not None else x)
+    def forward(self, x, *static):
+        out = self.body(x, *static) if self.body is not None else x
+        return self.loss_fn(self.rebuild(out) if self.rebuild is not None else out)

@@ -106,7 +106,8 @@ class _CastRecorder(TorchDispatchMode):
         return out
 
 
-def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor) -> list[torch.Tensor]:
+def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor,
+                           static_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The weight copies autocast caches when ``module`` runs (none outside autocast).
 
     Under ``torch.autocast`` a cast of a parameter is cached until the
@@ -125,7 +126,7 @@ def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor) -> li
     torch.clear_autocast_cache()
     recorder = _CastRecorder(params)
     with recorder:
-        module(example_input.detach().clone())
+        module(example_input.detach().clone(), *static_inputs)
     return recorder.casts
 
 
@@ -145,7 +146,7 @@ def _unpack(box: _Packed) -> torch.Tensor:
 
 def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
-                  leaf_input: bool = False) -> LayerMeasurement:
+                  leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = ()) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -177,6 +178,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         whose previous layer saves its output (a ResNet block's input is the
         previous block's saved ReLU output): ``b`` then includes the input's
         storage at every moment the layer alone would already have freed it.
+    static_inputs : iterable of Tensor, optional
+        Further inputs that are static memory of the step (model inputs that need
+        no gradient, masks computed from them): the layer runs as
+        ``module(x, *static_inputs)``; they are held throughout, like the
+        parameters, and never counted in the layer's figures.
     grads_exist : iterable of Parameter, optional
         Parameters that a later layer of the model also uses (a tied or
         reused weight): their gradient from that layer is pending when this
@@ -276,7 +282,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
     with no_lasting_state(module, (), dev):
         if not fake:  # stale fake storages are not in the new tracker: no need to collect them
             gc.collect()
-        casts = _autocast_weight_casts(module, example_input)
+        static_inputs = list(static_inputs)
+        static_bytes, static_ptrs = storage_bytes(static_inputs, fake=fake)
+        casts = _autocast_weight_casts(module, example_input, static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         holder = [example_input.detach().clone()]
         if input_requires_grad and leaf_input:
@@ -314,13 +322,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         grads_exist = list(grads_exist)
         pending = storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
         tracker = StorageTracker(fake=fake)
-        tracker.register(module, x, *casts)  # cached weight casts are static, like the weights
+        tracker.register(module, x, *casts, *static_inputs)  # cached weight casts are static, like the weights
         start = tracker.current_bytes
         try:
             with tracker:
                 # forward
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = module(x)
+                    y = module(x, *static_inputs)
                 forward_peak = tracker.peak_bytes
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
                 dead_packs = len(kept) < len(packs)
@@ -364,7 +372,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
 
     sout = y_ptr is not None and y_ptr in saved
     sin = x_ptr in saved and x_ptr != y_ptr
-    other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - {x_ptr, y_ptr}
+    other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {x_ptr, y_ptr}
     return LayerMeasurement(
         a=int(a),
         p=int(param_bytes),
@@ -381,7 +389,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
     )
 
 
-def forward_flops(module: nn.Module, x: torch.Tensor) -> int:
+def forward_flops(module: nn.Module, x: torch.Tensor, static_inputs: Iterable[torch.Tensor] = ()) -> int:
     """Forward compute of a layer: FLOPs of the ops ``torch.utils.flop_counter``
     has a formula for (matmuls, convolutions, attention), plus one per output
     element of every other op that is not a view (elementwise ops, norms,
@@ -400,5 +408,5 @@ def forward_flops(module: nn.Module, x: torch.Tensor) -> int:
 
     _Elementwise.total = 0
     with torch.no_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
-        module(x.detach().clone())
+        module(x.detach().clone(), *static_inputs)
     return int(counter.get_total_flops()) + int(_Elementwise.total)

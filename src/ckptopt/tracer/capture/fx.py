@@ -1,20 +1,22 @@
-"""Capture: the model's forward as a ``torch.fx`` graph (the tracer's first stage).
+"""The ``torch.fx`` front end: symbolic tracing with opaque leaves where FX fails.
 
-:func:`fx_capture` traces with ``torch.fx`` symbolic tracing; every submodule FX
-cannot trace into (data-dependent control flow, a mask built from a runtime
-shape) becomes one opaque leaf automatically, and ``leaf_modules=[...]`` names
-leaves explicitly. Only when the model's own forward cannot be traced does the
-user get an error naming the construct.
+Every submodule FX cannot trace into (data-dependent control flow, a mask built
+from a runtime shape) becomes one opaque leaf automatically, and
+``leaf_modules=[...]`` names leaves explicitly. The graph keeps the model's own
+calling convention (placeholders are the forward's parameters) and returns what the
+model returns; it works at any shape the model's Python code handles.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch.fx as fx
 import torch.nn as nn
 
-from ..errors import TraceError
+from ...errors import TraceError
+from ...torch_utils import Inputs
+from .base import Captured
 
 __all__ = ["fx_capture"]
 
@@ -59,7 +61,15 @@ def _construct(exc: BaseException) -> str:
     return first
 
 
-def fx_capture(model: nn.Module, leaf_modules: Iterable[str | type] | None) -> tuple[fx.GraphModule, dict]:
+def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | type] | None = None) -> Captured:
+    """Trace ``model`` with ``torch.fx`` (``inputs`` are not run here: FX traces symbolically).
+
+    Raises
+    ------
+    TraceError
+        When the model's own forward cannot be traced (naming the construct), or a
+        submodule cannot be traced even as an opaque leaf.
+    """
     names = {x for x in (leaf_modules or ()) if isinstance(x, str)}
     types = tuple(x for x in (leaf_modules or ()) if isinstance(x, type))
     known = dict(model.named_modules())
@@ -90,10 +100,30 @@ def fx_capture(model: nn.Module, leaf_modules: Iterable[str | type] | None) -> t
                 node=type(model).__name__,
             ) from exc
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-        return gm, opaque
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        return Captured(gm, "fx", opaque, lambda call: _bind(placeholders, call), lambda out: out, dynamic=True,
+                        training=model.training)
     assert last is not None
     raise TraceError(
         f"torch.fx cannot trace submodule {last.qualname!r} even as an opaque layer: {_construct(last.cause)}. "
         "Pass leaf_modules=[...] naming a coarser submodule to treat as one layer.",
         node=last.qualname,
     )
+
+
+def _bind(placeholders: list[fx.Node], call: Inputs) -> list[Any] | None:
+    """The values of the placeholders for ``model(*args, **kwargs)``: positional arguments,
+    then keyword arguments by name, then defaults; None when the call does not fit."""
+    args, kwargs = call.args, dict(call.kwargs)
+    if len(args) > len(placeholders):
+        return None
+    vals = list(args)
+    for n in placeholders[len(args):]:
+        name = n.target.lstrip("*")
+        if name in kwargs:
+            vals.append(kwargs.pop(name))
+        elif n.args:
+            vals.append(n.args[0])
+        else:
+            return None
+    return None if kwargs else vals

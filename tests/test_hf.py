@@ -1,0 +1,207 @@
+"""HuggingFace transformers through optimize_checkpoints(model, batch), unaided.
+
+Small GPT-2, Llama and BERT built from config objects (no weights, dropout on),
+batches as a collator yields them (input_ids, attention_mask, labels). Truth is the
+unmodified model: the same loss, logits and gradients bit for bit over two steps, and
+measured peaks (exact CPU storage tracker) against the prediction and against
+transformers' own ``gradient_checkpointing_enable``.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers.logging.set_verbosity_error()
+
+from ckptopt import TraceError, measure_peak, optimize_checkpoints  # noqa: E402
+from ckptopt.zoo.hf import get_hf  # noqa: E402
+
+TINY = {
+    "GPT2LMHeadModel": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=128),
+    "LlamaForCausalLM": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                             attention_dropout=0.1),
+    "BertForMaskedLM": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=2,
+                            vocab_size=256, max_position_embeddings=128),
+}
+NAMES = list(TINY)
+
+
+def build(name, batch=2, seq=32, **over):
+    return get_hf(name, batch, seq, {**TINY[name], **over})
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def planned(request):
+    """(name, optimized module, a deep copy of the untouched model, the batch)."""
+    model, batch = build(request.param)
+    reference = copy.deepcopy(model)
+    return request.param, optimize_checkpoints(model, batch), reference, batch
+
+
+def _step(model, batch, seed):
+    torch.manual_seed(seed)
+    out = model(**batch)
+    out.loss.backward()
+    return out
+
+
+def test_trains_identically_over_two_steps(planned):
+    name, opt, ref, batch = planned
+    assert opt.traced.capture.front_end == "export"  # FX cannot trace these roots
+    assert opt.plan.checkpoints  # something is checkpointed, so recomputation runs (with dropout)
+    for seed in (0, 1):
+        a, b = _step(ref, batch, seed), _step(opt, batch, seed)
+        assert type(a) is type(b) and "Output" in type(b).__name__
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits)
+        theirs = dict(ref.named_parameters())
+        for key, p in opt.original.named_parameters():
+            assert torch.equal(p.grad, theirs[key].grad), key
+        with torch.no_grad():
+            for model in (ref, opt.original):
+                for p in model.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    for key, p in opt.original.named_parameters():
+        assert torch.equal(p, dict(ref.named_parameters())[key]), key
+
+
+def test_state_dict_parameters_and_attributes_are_the_models(planned, tmp_path):
+    name, opt, ref, batch = planned
+    model = opt.original
+    assert list(opt.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(opt.parameters(), model.parameters()))
+    assert opt.config is model.config
+    if hasattr(model, "generation_config"):  # generative models only
+        assert opt.generation_config is model.generation_config
+    opt.save_pretrained(tmp_path)  # falls through to the model
+    loaded = type(model).from_pretrained(tmp_path)
+    theirs = loaded.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in model.state_dict().items())
+
+
+def test_other_batch_size_and_sequence_length(planned):
+    """Dynamic padding: other shapes run the same segments, train identically, and their
+    peak is priced by predicted_peak_for (within 1% of the measured step)."""
+    name, opt, ref, batch = planned
+    _, other = build(name, batch=3, seq=20)
+    a, b = _step(ref, other, 2), _step(opt, other, 2)
+    assert torch.equal(a.loss, b.loss)
+    theirs = dict(ref.named_parameters())
+    assert all(torch.equal(p.grad, theirs[k].grad) for k, p in opt.original.named_parameters())
+    for m in (ref, opt.original):
+        m.zero_grad(set_to_none=True)
+    predicted, measured = opt.predicted_peak_for(**other), measure_peak(opt, other)
+    assert abs(measured - predicted) <= 0.01 * predicted, (predicted, measured)
+
+
+def test_eval_no_grad_and_other_calls_run_the_original_forward(planned):
+    name, opt, ref, batch = planned
+    opt.eval()
+    ref.eval()
+    try:
+        with torch.no_grad():
+            assert torch.equal(opt(**batch).logits, ref(**batch).logits)
+        without_labels = {k: v for k, v in batch.items() if k != "labels"}
+        opt.train()
+        ref.train()
+        torch.manual_seed(3)
+        a = ref(**without_labels)
+        torch.manual_seed(3)
+        b = opt(**without_labels)  # not the planned call: the original forward
+        assert a.loss is None and b.loss is None and torch.equal(a.logits, b.logits)
+    finally:
+        opt.train()
+        ref.train()
+
+
+def test_generate_is_unchanged():
+    model, batch = build("GPT2LMHeadModel")
+    opt = optimize_checkpoints(model, batch)
+    opt.eval()
+    prompt = batch["input_ids"][:, :5]
+    got = opt.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)
+    assert torch.equal(got, want) and got.shape[1] == 9
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_peak_is_predicted_and_below_transformers_checkpointing(name):
+    """Measured within 1% of the prediction; at or below gradient_checkpointing_enable's peak."""
+    model, batch = get_hf(name, 4, 128, {**TINY[name], "num_hidden_layers": 4, "n_layer": 4}
+                          if name == "GPT2LMHeadModel" else {**TINY[name], "num_hidden_layers": 4})
+    opt = optimize_checkpoints(model, batch)
+    measured = measure_peak(opt, batch)
+    assert abs(measured - opt.predicted_peak_bytes) <= 0.01 * opt.predicted_peak_bytes
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        theirs = measure_peak(model, batch)
+    finally:
+        model.gradient_checkpointing_disable()
+    assert measured <= theirs, (measured, theirs)
+
+
+def test_layers_are_named_by_module_path(planned):
+    name, opt, ref, batch = planned
+    names = [layer.name for layer in opt.traced.layers]
+    block = {"GPT2LMHeadModel": "transformer.h.1", "LlamaForCausalLM": "model.layers.1",
+             "BertForMaskedLM": "bert.encoder.layer.1"}[name]
+    assert any(n.startswith(block) for n in names), names
+    assert block in opt.explain() and "torch.export" in opt.explain()
+
+
+def test_non_tensor_values_in_the_batch():
+    """None and flags may sit in the batch; a call with another flag value runs the original."""
+    model, batch = build("GPT2LMHeadModel")
+    ref = copy.deepcopy(model)
+    batch = dict(batch, token_type_ids=None, return_dict=True)
+    opt = optimize_checkpoints(model, batch)
+    a, b = _step(ref, batch, 4), _step(opt, batch, 4)
+    assert torch.equal(a.loss, b.loss)
+    tuple_out = opt(**dict(batch, return_dict=False))
+    assert isinstance(tuple_out, tuple) and torch.is_tensor(tuple_out[0])
+
+
+def test_capture_can_be_chosen_and_failures_name_both_front_ends():
+    model, batch = build("GPT2LMHeadModel")
+    with pytest.raises(TraceError, match="torch.fx cannot trace the forward of GPT2LMHeadModel"):
+        optimize_checkpoints(model, batch, capture="fx")
+    with pytest.raises(ValueError, match="capture='torch' is not a capture mode"):
+        optimize_checkpoints(model, batch, capture="torch")
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # neither front end can follow a branch on tensor values
+                return self.lin(x)
+            return self.lin(-x)
+
+    with pytest.raises(TraceError, match="torch.fx: .* torch.export: "):
+        optimize_checkpoints(DataDependent(), torch.randn(2, 4))
+
+
+def test_export_front_end_on_a_model_fx_also_takes():
+    """capture='export' on a zoo model: the same training, exact prediction."""
+    from ckptopt import zoo
+
+    model, x = zoo.get("mlp", batch_size=1024, width=128, depth=8)
+    ref = copy.deepcopy(model)
+    opt = optimize_checkpoints(model, x, capture="export")
+    assert opt.traced.capture.front_end == "export" and opt.plan.checkpoints
+    torch.manual_seed(0)
+    ref(*x).pow(2).mean().backward()
+    torch.manual_seed(0)
+    opt(*x).pow(2).mean().backward()
+    theirs = dict(ref.named_parameters())
+    assert all(torch.equal(p.grad, theirs[k].grad) for k, p in model.named_parameters())
+    model.zero_grad(set_to_none=True)
+    assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8
