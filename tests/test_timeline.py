@@ -43,7 +43,8 @@ def check_order(costs, plan, events, stored=()):
         l, r = starts[k], ends[k]
         back = [("backward", i) for i in range(r, l - 1, -1)]
         if not costs.is_additive and k < len(starts) - 1 and l not in stored:
-            saving = [i for i in range(l, r + 1) if costs.sin[i] or costs.sout[i] or costs.m[i] > 0]
+            saving = [i for i in range(l, r + 1)
+                      if costs.sin[i] or costs.sout[i] or costs.m[i] > 0 or costs.holds[i]]
             trailing = r - max(saving) if saving else r - l + 1
             back = back[:trailing] + [("recompute", i) for i in range(l, r + 1) if i in rec] + back[trailing:]
         expected += back

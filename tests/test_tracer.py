@@ -1,5 +1,6 @@
 """The tracer: cuts, opaque layers, errors, and predictions against measured memory."""
 
+import copy
 import subprocess
 import sys
 
@@ -218,3 +219,43 @@ def test_tied_weights_prediction():
     # the shared weight is static once and its gradient is charged to the head, the last user
     assert tm.param_bytes == sum(p.numel() * 4 for p in model.parameters())
     assert int(tm.costs.p[0]) == 0 and int(tm.costs.p[tm.layers.index(next(l for l in tm.layers if l.name == "head"))]) == 3000 * 256 * 4
+
+
+class _PositionsLater(nn.Module):
+    """A second input that needs no gradient (positions), read by a layer in the middle."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.pos = nn.Embedding(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x, pos):
+        h = torch.relu(self.a(x))
+        h = h + self.pos(pos)  # saves only pos, a static input
+        h = torch.relu(self.b(h))
+        return self.c(h)
+
+
+def test_model_inputs_without_grad_are_static_and_readable_by_any_layer():
+    """Static inputs block no cut and cost no checkpoint; a layer whose only saved tensor is one of
+    them still keeps its checkpoint alive (ChainCosts.holds): every plan exact on a fake step."""
+    from ckptopt import Plan, apply_plan
+    from ckptopt.measure import measure_plans_fake
+
+    torch.manual_seed(0)
+    model, x, pos = _PositionsLater(), torch.randn(4, 8, 16), torch.arange(8).repeat(4, 1)
+    tm = trace(model, (x, pos))
+    reading = [l for l in tm.layers if "pos" in l.static_inputs]
+    assert reading and reading[0].index > 0 and tm.costs.holds[reading[0].index]
+    n = tm.n
+    plans = [c for k in range(1, n) for c in [(k,), tuple(range(1, k + 1))]]
+    scored = [Plan(c, simulate(tm.costs, c).peak_bytes, "given", 0.0, n) for c in plans]
+    for p, measured in zip(scored, measure_plans_fake(model, (x, pos), tm, scored)):
+        assert 0 <= measured - p.peak_bytes <= 8, (p.checkpoints, measured, p.peak_bytes)
+    ref = copy.deepcopy(model)
+    opt = apply_plan(model, tm, solve(tm.costs, "every"))
+    opt(x, pos).pow(2).mean().backward()
+    ref(x, pos).pow(2).mean().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters()))

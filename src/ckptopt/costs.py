@@ -25,6 +25,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``bk[i]``  (optional) ``b[i]`` when the layer's input is held through its backward by
            the checkpoint of a segment it starts: a layer that saves its input
            frees it, measured alone, once its backward has read it. Default: ``b[i]``
+``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
+           counts (a static model input, a parameter): a checkpointed segment holding it
+           keeps its checkpoint, and its backward triggers the recomputation. Default: False
 ``dead[i]`` (optional flag) the forward packs tensors autograd does not keep (a dead
            branch): a recomputation re-packs them too, so one that reaches
            layer ``i`` runs it (up to ``fs``). Default: False
@@ -62,7 +65,7 @@ __all__ = ["ChainCosts", "KernelArrays"]
 
 _FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
 _ADDITIVE_FIELDS = ("w", "h", "q")
-_FLAG_FIELDS = ("sin", "sout", "dead")
+_FLAG_FIELDS = ("sin", "sout", "dead", "holds")
 # Sums of byte counts must stay far from int64 overflow in the solvers' sums.
 _MAX_TOTAL = 2**60
 _FORMAT = "ckptopt.ChainCosts"
@@ -259,6 +262,7 @@ class ChainCosts:
         rg: Sequence[int] | None = None,
         dead: Sequence[bool] | None = None,
         bk: Sequence[int] | None = None,
+        holds: Sequence[bool] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -269,6 +273,8 @@ class ChainCosts:
             values["dead"] = dead
         if bk is not None:
             values["bk"] = bk
+        if holds is not None:
+            values["holds"] = holds
         self._init("full", values, static, names, c)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
@@ -278,10 +284,11 @@ class ChainCosts:
             self._fields["rg"] = self._fields["a"]
         if bk is None:
             self._fields["bk"] = self._fields["b"]
-        if dead is None:
-            z = np.zeros(self.n, dtype=np.int64)
-            z.setflags(write=False)
-            self._fields["dead"] = z
+        for flag, given in (("dead", dead), ("holds", holds)):
+            if given is None:
+                z = np.zeros(self.n, dtype=np.int64)
+                z.setflags(write=False)
+                self._fields[flag] = z
 
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None) -> None:
@@ -377,7 +384,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "holds"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -385,7 +392,7 @@ class ChainCosts:
         compute = data.get("compute")
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
-                       rg=layers.get("rg"), dead=layers.get("dead"),
+                       rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
                        bk=layers.get("bk"), c=compute)
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute)
 
@@ -518,7 +525,7 @@ class ChainCosts:
         fw = a_prev + f
         fs = self._fields["fs"]
         runs = (sout > 0) | (m > 0) | (fs > 0)
-        saves = (sout > 0) | (m > 0) | (sin > 0)
+        saves = (sout > 0) | (m > 0) | (sin > 0) | (self._fields["holds"] > 0)
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
         rg = self._fields["rg"]

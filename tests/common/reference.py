@@ -47,6 +47,7 @@ def _full(c, checkpoints, stored):
     fs = [int(x) for x in c.fs]
     rg = [int(x) for x in c.rg]
     dead = [bool(x) for x in c.dead]
+    holds = [bool(x) for x in c.holds]  # keeps a saved tensor none of sin/sout/m counts (a static input)
     sin = [bool(x) for x in c.sin]
     sout = [bool(x) for x in c.sout]
     size = {}
@@ -78,7 +79,7 @@ def _full(c, checkpoints, stored):
     kept = {}  # per unwrapped segment (a stored one or the last): the saved sets its layers keep
 
     def saves_anything(i):
-        return sin[i] or sout[i] or m[i] > 0
+        return sin[i] or sout[i] or m[i] > 0 or holds[i]
 
     def kept_before(k):
         return set().union(*(v for j, v in kept.items() if j < k))

@@ -21,10 +21,11 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     rg = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     dead = draw(st.one_of(st.none(), flags))
     bk = draw(st.one_of(st.none(), ints))
+    holds = draw(st.one_of(st.none(), flags))
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg, dead=dead, bk=bk,
+        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, holds=holds,
     )
 
 
@@ -60,4 +61,5 @@ def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
         m=r() * rng.integers(0, 2, n), f=r(), b=r(), static=int(rng.integers(0, scale)),
         c=rng.integers(0, 1000, n), rg=r() if rng.integers(0, 2) else None,
         dead=rng.integers(0, 2, n) * rng.integers(0, 2, n) if rng.integers(0, 2) else None,
+        holds=rng.integers(0, 2, n) * rng.integers(0, 2, n) if rng.integers(0, 2) else None,
     )

@@ -51,7 +51,7 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
     for k in l1:
         if len(l1[k]) != len(l2[k]):
             return None
-        if k in ("sin", "sout", "dead"):  # flags: equal at both sizes, taken as they are
+        if k in ("sin", "sout", "dead", "holds"):  # flags: equal at both sizes, taken as they are
             if l1[k] != l2[k]:
                 return None
             continue
@@ -172,7 +172,7 @@ class BatchCosts:
             d["compute"] = [max(0, i + s * batch) for i, s in zip(icpt["compute"], slope["compute"])]
         base = traced["layers"]
         for k, v in base.items():
-            if k in ("sin", "sout", "dead"):  # flags: equal at both sizes, taken as they are
+            if k in ("sin", "sout", "dead", "holds"):  # flags: equal at both sizes, taken as they are
                 d["layers"][k] = v
             else:
                 d["layers"][k] = [max(0, i + s * batch) for i, s in zip(icpt["layers"][k], slope["layers"][k])]

@@ -35,7 +35,7 @@ from .capture import capture as capture_graph
 from .cuts import WithLoss, candidate_groups, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
 from .propagate import FakeRecorder, autocast_cache_bytes
-from .statics import hoisted_nodes, static_nodes
+from .statics import place_statics, static_nodes
 
 __all__ = ["trace", "TracedModel", "Layer"]
 
@@ -255,9 +255,11 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
                                                            if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
     groups = candidate_groups(fake_gm, values, static)
-    hoisted = hoisted_nodes([g for g, _ in groups], static, values) if derived else []
-    groups = [([n for n in members if n not in set(hoisted)], first) for members, first in groups]
-    groups = [g for g in groups if g[0]]  # (empty: made only of hoisted nodes)
+    hoisted: list[fx.Node] = []
+    if derived:
+        placed, hoisted = place_statics([g for g, _ in groups], static, values)
+        groups = [(members, first) for members, (_, first) in zip(placed, groups)]
+    groups = [g for g in groups if g[0]]  # (empty: made only of hoisted or moved nodes)
     if derived:  # op-level graphs: assertions and same-dtype casts between blocks are no layers
         groups = _merge_pass_through(groups, values)
     readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
@@ -328,7 +330,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
         bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
-        dead=[l.costs.dead for l in layers],
+        dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],
     )

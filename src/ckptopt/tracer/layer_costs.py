@@ -44,6 +44,7 @@ class LayerMeasurement:
     rg: int | None = None
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
+    holds: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -228,6 +229,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             mean, a concatenation, a product with a constant) run their
             backward before that, and a recomputation that this layer's
             backward triggers starts there (``a`` when it saves nothing).
+        ``holds``
+            autograd keeps a tensor the layer saved that none of ``sin``,
+            ``sout``, ``m`` counts (a static input such as position ids, a
+            parameter): the frame of a checkpoint around the layer stays alive.
         ``dead``
             the forward packed tensors that autograd no longer keeps when it
             ends (a dead branch's): a recomputation still re-packs them, so
@@ -384,6 +389,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
         rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
         dead=bool(dead_packs),
+        holds=bool(kept) and not (sin or sout or other),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
     )

@@ -11,11 +11,11 @@ single-tensor cut between blocks; instead:
 
 * :func:`static_nodes` finds them (no random op: hoisting one would change the
   order of random draws, and dropout masks with it);
-* after the cuts are chosen, :func:`hoisted_nodes` picks those whose value is read
-  outside the layer that computes it, with their static ancestors. The rewriter
-  computes them once before the first segment, and the cost model counts them as
-  static bytes for the whole step. A static value used only inside its own layer
-  stays in that layer (and is measured with it).
+* after the cuts are chosen, :func:`place_statics` moves a static value that only
+  one layer reads into that layer (where the unmodified model computes it too), and
+  hoists the values several layers read: the rewriter computes them once before the
+  first segment, and the cost model counts them as static bytes for the whole step
+  (a small over-count while no layer holds them, e.g. a mask no backward saves).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..torch_utils import tensor_leaves
 
-__all__ = ["static_nodes", "hoisted_nodes", "is_random"]
+__all__ = ["static_nodes", "place_statics", "is_random"]
 
 _RANDOM = re.compile(r"dropout|rand|bernoulli|normal|multinomial|rrelu|uniform|exponential|poisson|cauchy|"
                      r"geometric")
@@ -69,24 +69,43 @@ def static_nodes(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]
     return static
 
 
-def hoisted_nodes(groups: list[list[fx.Node]], static: set[fx.Node], values: dict[fx.Node, Any]) -> list[fx.Node]:
-    """The static op nodes to compute once before the first layer: those with a tensor value read
-    outside the group that computes them (the model output counts as the last group), with the
-    static op nodes they are computed from. In graph order."""
+def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
+                  values: dict[fx.Node, Any]) -> tuple[list[list[fx.Node]], list[fx.Node]]:
+    """Where each static op node runs: ``(groups, hoisted)``.
+
+    A static node whose value reaches (directly or through other static nodes) one layer only
+    moves into that layer, where the unmodified model computes it too (position ids read by
+    one embedding, labels shifted for the loss): the layer's measurement counts it. One that
+    reaches several layers (an attention mask read by every block) is hoisted: computed once
+    before the first layer, counted as static bytes for the step. Static nodes that reach
+    no layer (assertions on static values) go with the hoisted nodes they check, or stay.
+    In graph order.
+    """
     group_of = {n: j for j, members in enumerate(groups) for n in members}
     last = len(groups) - 1
-    need: set[fx.Node] = set()
-    for n, j in group_of.items():
-        if n in static and tensor_leaves(values.get(n)):
-            if any(group_of.get(u, last) != j for u in n.users):
-                need.add(n)
-    stack = list(need)
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a in group_of and a in static and a not in need:
-                need.add(a)
-                stack.append(a)
-    return [n for members in groups for n in members if n in need]
+    reach: dict[fx.Node, set[int]] = {}
+    for members in reversed(groups):  # reverse graph order: users first
+        for n in reversed(members):
+            if n not in static:
+                continue
+            out: set[int] = set()
+            for u in n.users:
+                out |= reach.get(u, set()) if u in static and u in group_of else {group_of.get(u, last)}
+            reach[n] = out
+    hoisted = {n for n, r in reach.items() if len(r) > 1}
+    sunk = {n: next(iter(r)) for n, r in reach.items() if len(r) == 1 and next(iter(r)) != group_of[n]}
+    for n, r in reach.items():  # checks of hoisted values only (their inputs hoisted or inputs)
+        if not r and n.all_input_nodes and all(a in hoisted or a not in group_of for a in n.all_input_nodes):
+            hoisted.add(n)
+    moved_in: dict[int, list[fx.Node]] = {}
+    for n in (n for members in groups for n in members):
+        if n in sunk and n not in hoisted:
+            moved_in.setdefault(sunk[n], []).append(n)
+    out_groups = []
+    for j, members in enumerate(groups):
+        kept = [n for n in members if n not in hoisted and (n not in sunk or n in hoisted)]
+        out_groups.append(moved_in.get(j, []) + kept)
+    return out_groups, [n for members in groups for n in members if n in hoisted]
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
