@@ -160,3 +160,26 @@ def _nullcontext():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+HF = ["--config", "n_layer=2", "--config", "n_embd=64", "--config", "n_head=2", "--config", "vocab_size=256"]
+
+
+def test_hf_models_from_their_config_class(capsys):
+    """hf:<class> builds a transformers model from its config (no weights) with a collator-style batch;
+    optimize (with --measure), profile and estimate name layers by module path."""
+    pytest.importorskip("transformers")
+    code, out, err = run(capsys, "optimize", "hf:GPT2LMHeadModel", "--batch", "2", "--seq", "32", *HF,
+                         "--measure", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["checkpoints"] and abs(data["measured_peak_bytes"] - data["predicted_peak_bytes"]) <= \
+        0.01 * data["predicted_peak_bytes"]
+    code, out, _ = run(capsys, "profile", "hf:GPT2LMHeadModel", "--batch", "2", "--seq", "32", *HF)
+    assert code == 0 and "transformer.h.1 (ln_1..attn)" in out and "lm_head" in out
+    code, out, _ = run(capsys, "estimate", "hf:GPT2LMHeadModel", "--batch", "2", "--seq", "32", *HF, "--json")
+    assert code == 0 and json.loads(out)["optimal"]["peak_bytes"] > 0
+    code, _, err = run(capsys, "optimize", "hf:NoSuchModel")
+    assert code == 2 and "transformers has no model class 'NoSuchModel'" in err
+    code, _, err = run(capsys, "optimize", "hf:GPT2LMHeadModel", "--config", "n_layer")
+    assert code == 2 and "--config takes key=value" in err
