@@ -30,7 +30,7 @@ STAGES = [
     ("torch_utils", "tracker"),
     ("tracer",),
     ("rewriter",),
-    ("api", "measure", "planning"),
+    ("api", "measure", "planning", "calibration"),
     ("experimental", "dag", "_dag_measure"),
     ("cli", "zoo", "_models"),
 ]

@@ -78,9 +78,14 @@ def _train_ddp(rank, batches):
 
 
 def _train_fsdp2(rank, batches):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from ckptopt import optimize_checkpoints
+
+    # everything on the CPU, explicitly: with CUDA present, fully_shard's default mesh puts the
+    # shards on the GPU while the batches stay on the CPU
+    mesh = init_device_mesh("cpu", (WORLD,))
 
     model = make_model()
     # first ckptopt, then shard. FSDP2 gathers a module's parameters in a forward pre-hook, so
@@ -89,8 +94,8 @@ def _train_fsdp2(rank, batches):
     blocks = [f"blocks.{i}" for i in range(len(model.blocks))]
     opt = optimize_checkpoints(model, batches[0][0], solver="dp2", leaf_modules=blocks)
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(opt)
+        fully_shard(block, mesh=mesh)
+    fully_shard(opt, mesh=mesh)
     train(opt, opt.parameters(), batches)
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     return state, opt.plan.checkpoints

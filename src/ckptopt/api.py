@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
@@ -27,6 +28,7 @@ def optimize_checkpoints(
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
+    calibrate: bool | None = None,
 ) -> CheckpointedModule:
     """Return ``model`` rewritten to train with the lowest peak memory.
 
@@ -49,9 +51,13 @@ def optimize_checkpoints(
         ``budget``: the plan with the least recomputation whose peak fits.
         Or any name of :data:`ckptopt.SOLVERS` (those search checkpoint-only
         plans, the paper's plan space).
-    budget : int, optional
+    budget : int or "device", optional
         Peak-memory budget in bytes; :class:`ckptopt.InfeasibleBudget` (with
-        the smallest achievable peak) when no plan fits.
+        the smallest achievable peak) when no plan fits. ``"device"``: what the
+        device has free (CUDA: ``torch.cuda.mem_get_info``; CPU: the system's
+        available memory) less the headroom the caching allocator needs
+        (:func:`ckptopt.planning.headroom`): the plan with the least recomputation
+        that fits ("just make it fit").
     loss_fn : callable, optional
         ``loss_fn(output) -> scalar`` used for planning. Default: the output's
         ``loss`` when it carries one (a HuggingFace model given ``labels``), else
@@ -62,6 +68,10 @@ def optimize_checkpoints(
         How the forward becomes a graph: ``"fx"`` (``torch.fx``), ``"export"``
         (``torch.export``, non-strict) or ``"auto"``: FX, and export for models
         whose own forward FX cannot trace (HuggingFace transformers).
+    calibrate : bool, optional
+        Run each layer once on the device (:mod:`ckptopt.calibration`): library
+        workspaces and allocator scratch join the predicted peak, and recomputation
+        is priced in measured seconds. Default: on CUDA, off elsewhere.
 
     Returns
     -------
@@ -85,7 +95,7 @@ def optimize_checkpoints(
     """
     lookup(solver)  # fail on a bad name before tracing
     check_capture_mode(capture)
-    if budget is not None:
+    if budget is not None and budget != "device":
         check_budget(budget)  # and on a bad budget
     state = _python_state(model) if isinstance(model, nn.Module) else {}
     try:
@@ -93,11 +103,25 @@ def optimize_checkpoints(
         _check_forward_has_no_python_side_effects(model, example_inputs)
     finally:
         _restore_python_state(state)  # FX runs the forward's Python code on the model itself
+    device = _device_of(model)
+    if calibrate if calibrate is not None else device.type == "cuda":
+        from .calibration import calibrate as run_calibration
+
+        cal = run_calibration(model, tm, example_inputs)
+        tm = dataclasses.replace(tm, costs=cal.apply(tm.costs), calibration=cal)
+    if budget == "device":
+        from .planning import device_budget
+
+        budget = device_budget(device, calibrated=tm.calibration is not None)
     plan = solve(tm.costs, solver, budget=budget)
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     return apply_plan(model, tm, plan)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------

@@ -179,9 +179,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .api import optimize_checkpoints
 
     model, inputs = _load(args)
-    budget = parse_bytes(args.budget) if args.budget else None
+    budget = "device" if args.budget == "device" else parse_bytes(args.budget) if args.budget else None
     opt = optimize_checkpoints(model, inputs, solver=args.solver, budget=budget, leaf_modules=args.leaf,
-                               capture=args.capture)
+                               capture=args.capture, calibrate=args.calibrate)
     result = dict(model=args.model, solver=opt.plan.solver, checkpoints=list(opt.plan.checkpoints),
                   stored=list(opt.plan.stored), n_layers=opt.traced.n, predicted_peak_bytes=opt.predicted_peak_bytes,
                   no_checkpointing_predicted_bytes=opt.baseline_peak_bytes, solve_seconds=opt.plan.solve_seconds)
@@ -210,9 +210,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from .rewriter import apply_plan
-    from .simulator import recomputed_layers
+    from .simulator import recomputed_layers, simulate
 
     model, inputs, tm = _load_and_trace(args)
+    if args.calibrate:
+        import dataclasses
+
+        from .calibration import calibrate
+
+        tm = dataclasses.replace(tm, costs=calibrate(model, tm, inputs).apply(tm.costs))
     names = args.solvers.split(",") if args.solvers else _routine(COMPARE_SOLVERS, tm.n)
     flops = tm.flops
     total = sum(flops) or 1
@@ -223,6 +229,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         row = dict(solver=name, predicted_peak_bytes=plan.peak_bytes, segments=len(plan.checkpoints) + 1,
                    checkpoints=list(plan.checkpoints), stored=list(plan.stored), solve_seconds=plan.solve_seconds,
                    recompute_share=sum(flops[i] for i in recomputed) / total)
+        if tm.costs.unit == "ns":  # calibrated: the recomputation in measured seconds
+            row["recompute_seconds"] = simulate(tm.costs, plan.checkpoints, plan.stored).recompute_seconds
         if args.measure:
             row["measured_peak_bytes"] = _measure(apply_plan(model, tm, plan), inputs)
         rows.append(row)
@@ -257,7 +265,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"{r['solver']:<12} {format_bytes(r['predicted_peak_bytes']):>11} {meas:>11} {vs:>8} "
               f"{r['segments']:>5} {100 * r['recompute_share']:>8.1f}% {r['solve_seconds'] * 1e3:>7.2f}ms  "
               f"{_fmt_plan(tuple(r['checkpoints']))}"
-              + (f"; unwrapped: {_fmt_plan(tuple(r['stored']))}" if r["stored"] else ""))
+              + (f"; unwrapped: {_fmt_plan(tuple(r['stored']))}" if r["stored"] else "")
+              + (f"; recompute {1e3 * r['recompute_seconds']:.2f} ms" if "recompute_seconds" in r else ""))
     print("recompute: forward FLOPs re-run in backward, as a share of one forward pass; "
           "default: what `ckptopt optimize` picks")
     return 0
@@ -304,6 +313,20 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                         "cuda: foreach, which needs one parameter-sized temporary more for Adam) and whether "
                         "Adam's step counters count (they stay on the CPU). Default cpu")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--headroom", type=float, metavar="FRACTION",
+                   help="share of the peak kept free for the caching allocator (default: none on cpu, "
+                        "0.10 on cuda)")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer once on the device (workspaces, scratch, measured times); default on cuda")
+
+
+def _headroom(args):
+    from .planning import Headroom, default_headroom
+
+    if args.headroom is None:
+        return None
+    base = default_headroom(args.device, calibrated=bool(args.calibrate))
+    return Headroom(base.workspace_bytes, args.headroom, "given with --headroom")
 
 
 def _dtype_help(p: argparse.ArgumentParser) -> None:
@@ -335,7 +358,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     model, inputs = _load(args)
     est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf,
-                   capture=args.capture)
+                   capture=args.capture, calibrate=args.calibrate, headroom=_headroom(args))
     if args.json:
         json.dump(dict(model=args.model, dtype=args.dtype, device=args.device, **est.to_dict()), sys.stdout, indent=1)
         print()
@@ -352,11 +375,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(f"{'':<20} {'':>18} {red:>+17.1f}%")
     print(f"{'recompute':<20} {100 * cols[0].recompute_share:>17.1f}% {100 * cols[1].recompute_share:>17.1f}%")
     print(f"{'checkpoints':<20} {'-':>18} {_fmt_plan(cols[1].checkpoints, stored=cols[1].stored):>18}")
+    if est.headroom.workspace_bytes or est.headroom.fraction:
+        print(f"{'device needs':<20} {format_bytes(est.needed_bytes(cols[0])):>18} "
+              f"{format_bytes(est.needed_bytes(cols[1])):>18}")
     for c in cols:
         print(f"{c.label}: peak reached in the {_where(c)}")
+    what = "measured forward + backward time" if est.calibrated else "forward + backward = 3 forwards"
     print("breakdown at the peak; transients: the working memory of what runs there (in backward, the new "
-          "gradients of that layer); recompute: forward FLOPs re-run in backward, as a share of a step "
-          "(forward + backward = 3 forwards)")
+          f"gradients of that layer); recompute: forward compute re-run in backward, as a share of a step ({what})")
+    print(est.headroom.describe())
     return 0
 
 
@@ -376,12 +403,14 @@ def _fit_line(fit) -> str:
 def cmd_max_batch(args: argparse.Namespace) -> int:
     from .planning import max_batch, plan_training
 
-    memory = parse_bytes(args.memory)
+    memory = parse_bytes(args.memory) if args.memory else None
     if args.target_batch is not None and args.target_batch < 1:
         raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
     model, inputs = _load(args)
-    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture)
+    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
+              headroom=_headroom(args))
     mb = max_batch(model, inputs, memory, **kw)
+    memory = mb.memory_bytes
     plan = plan_training(model, inputs, args.target_batch, memory, **kw) if args.target_batch else None
     if args.json:
         out = dict(model=args.model, dtype=args.dtype, device=args.device, **mb.to_dict())
@@ -400,6 +429,10 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     print(f"  optimal plan:     {_fit_line(mb.optimal)}")
     how = "affine in the batch size" if mb.affine else "not affine at the probes: re-fitted near the answer"
     print(f"  ({mb.traces} traces; cost model {how}; each answer b confirmed by tracing b and b+1)")
+    print(f"  {mb.headroom.describe()}: the peaks above stay within {format_bytes(mb.usable_bytes)}")
+    if str(args.device).startswith("cuda"):
+        print("  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator fragment less: with it, measure "
+              "the overhead (ckptopt.planning.measure_allocator_overhead) and pass a smaller --headroom")
     if plan is not None:
         _print_training_plan(plan)
     return 0
@@ -460,7 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("optimize", help="choose the checkpoints with the lowest peak for a model and explain them")
     _model_args(p)
     p.add_argument("--solver", default="auto", help="auto (default), dp2, dp, linear, or a baseline")
-    p.add_argument("--budget", metavar="SIZE", help="peak-memory budget, e.g. 8GiB")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="peak-memory budget, e.g. 8GiB, or 'device': what the device has free, less the headroom")
+    p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each layer once on the device (workspaces, scratch, measured times); default on cuda")
     p.add_argument("--measure", action="store_true",
                    help="also run one real training step with and without the plan and measure the peak")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -470,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--solvers", metavar="A,B,..", help=f"comma-separated (default: {','.join(COMPARE_SOLVERS)})")
     p.add_argument("--measure", action="store_true", help="measure each plan's real peak (one training step each)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="run each layer once on the device: recomputation in measured seconds, workspaces in the peaks")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--json-out", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
@@ -488,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "that reaches it")
     _model_args(p)
     _dtype_help(p)
-    p.add_argument("--memory", required=True, metavar="SIZE",
-                   help="memory of the device: bytes or a size such as 8GiB, 8GB, 512MiB")
+    p.add_argument("--memory", metavar="SIZE",
+                   help="memory of the device: bytes or a size such as 8GiB, 8GB, 512MiB (default: what the device "
+                        "has free)")
     p.add_argument("--target-batch", type=int, metavar="N",
                    help="the batch the optimizer should see: list micro-batch / accumulation-step choices that "
                         "reach it within --memory, with their recompute overhead")

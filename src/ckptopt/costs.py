@@ -38,7 +38,10 @@ Both forms take an optional ``c[i]``: the forward compute cost of layer ``i``
 (the tracer fills it with FLOPs; any non-negative integer unit works). It does
 not change a peak; the simulator reports the recomputation a plan adds in this
 unit and the least-recomputation solvers minimize it. Without it every layer
-costs 1, so "least recomputation" means "fewest layers run again".
+costs 1, so "least recomputation" means "fewest layers run again". An optional
+``cb[i]``, the backward cost in the same unit, makes a step cost ``sum(c + cb)``
+instead of ``3 sum(c)``; ``unit`` names the unit (``"flops"``, or ``"ns"`` for
+times measured on a device by :mod:`ckptopt.calibration`).
 
 **Additive form** (the form the O(n) solver is exact for): arrays ``w``,
 ``h``, ``q``; a plan whose segments are ``[l_0=0, r_0], [l_1, r_1], ...`` has
@@ -263,6 +266,8 @@ class ChainCosts:
         dead: Sequence[bool] | None = None,
         bk: Sequence[int] | None = None,
         holds: Sequence[bool] | None = None,
+        cb: Sequence[int] | None = None,
+        unit: str = "flops",
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -275,7 +280,7 @@ class ChainCosts:
             values["bk"] = bk
         if holds is not None:
             values["holds"] = holds
-        self._init("full", values, static, names, c)
+        self._init("full", values, static, names, c, cb, unit)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
             d.setflags(write=False)
@@ -291,7 +296,8 @@ class ChainCosts:
                 self._fields[flag] = z
 
     # -- construction -------------------------------------------------------
-    def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None) -> None:
+    def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None, cb: Any = None,
+              unit: str = "flops") -> None:
         fields = {}
         for name, v in values.items():
             fields[name] = _int_array(name, v, flag=name in _FLAG_FIELDS)
@@ -335,6 +341,25 @@ class ChainCosts:
             compute.setflags(write=False)
         self._c = compute
         self.has_compute = c is not None
+        self._cb = None
+        if cb is not None:
+            self._cb = _int_array("cb", cb)
+            if len(self._cb) != n:
+                raise InvalidCosts(f"field 'cb' has {len(self._cb)} entries for {n} layers", field="cb")
+        if not isinstance(unit, str) or not unit:
+            raise InvalidCosts(f"unit must be a name such as 'flops' or 'ns', got {unit!r}", field="unit")
+        self.unit = unit
+
+    @property
+    def cb(self) -> np.ndarray | None:
+        """Backward compute cost per layer, in :attr:`unit` (None: a step taken as 3 forwards)."""
+        return self._cb
+
+    @property
+    def step_compute(self) -> int:
+        """The compute of one step without recomputation: ``sum(c + cb)``, or ``3 sum(c)``."""
+        forward = int(self._c.sum())
+        return forward + int(self._cb.sum()) if self._cb is not None else 3 * forward
 
     @property
     def c(self) -> np.ndarray:
@@ -358,10 +383,12 @@ class ChainCosts:
         static: int = 0,
         names: Iterable[str] | None = None,
         c: Sequence[int] | None = None,
+        cb: Sequence[int] | None = None,
+        unit: str = "flops",
     ) -> "ChainCosts":
         """Build the additive form (see the module docstring). ``w[0]`` is unused."""
         self = cls.__new__(cls)
-        self._init("additive", dict(w=w, h=h, q=q), static, names, c)
+        self._init("additive", dict(w=w, h=h, q=q), static, names, c, cb, unit)
         return self
 
     @classmethod
@@ -390,11 +417,13 @@ class ChainCosts:
         static = data.get("static", 0)
         names = data.get("names")
         compute = data.get("compute")
+        unit = data.get("compute_unit", "flops")
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
-                       bk=layers.get("bk"), c=compute)
-        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute)
+                       bk=layers.get("bk"), c=compute, cb=data.get("backward_compute"), unit=unit)
+        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
+                            cb=data.get("backward_compute"), unit=unit)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> "ChainCosts":
@@ -433,6 +462,10 @@ class ChainCosts:
             out["names"] = list(self.names)
         if self.has_compute:
             out["compute"] = [int(x) for x in self._c]
+        if self._cb is not None:
+            out["backward_compute"] = [int(x) for x in self._cb]
+        if self.unit != "flops":
+            out["compute_unit"] = self.unit
         return out
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
@@ -475,6 +508,9 @@ class ChainCosts:
             and all(np.array_equal(v, other._fields[k]) for k, v in self._fields.items())
             and self.has_compute == other.has_compute
             and np.array_equal(self._c, other._c)
+            and self.unit == other.unit
+            and (self._cb is None) == (other._cb is None)
+            and (self._cb is None or np.array_equal(self._cb, other._cb))
         )
 
     __hash__ = None  # type: ignore[assignment]

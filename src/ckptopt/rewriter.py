@@ -363,8 +363,14 @@ class CheckpointedModule(nn.Module):
             else:
                 what = "not wrapped: keeps what its layers save, no recomputation"
             lines.append(f"  segment {k}: layers {first}-{last} ({names}): {what}")
+        step = ("measured forward + backward, predicted "
+                f"{1e3 * sim.recompute_seconds:.2f} ms" if sim.recompute_seconds is not None else "3x forward")
         lines.append(f"peak reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name}); "
-                     f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute (3x forward)")
+                     f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute ({step})")
+        if tm.calibration is not None:
+            cal = tm.calibration
+            lines.append(f"calibrated on {cal.device}: {cal.measured} of {len(cal.layers)} layers run "
+                         f"({cal.seconds:.1f} s), library workspace {format_bytes(cal.workspace_bytes)} in the static bytes")
         return "\n".join(lines)
 
     def extra_repr(self) -> str:

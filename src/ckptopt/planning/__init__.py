@@ -75,6 +75,7 @@ from __future__ import annotations
 from .accumulation import AccumulationOption, TrainingPlan, plan_training
 from .batch import BatchCosts, BatchFit, MaxBatch, largest_fitting, max_batch, with_batch
 from .estimate import Breakdown, Estimate, PeakEstimate, estimate, peak_estimate
+from .headroom import Headroom, default_headroom, device_budget, device_free_memory, measure_allocator_overhead
 from .optimizer import OPTIMIZERS, OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 
 __all__ = [
@@ -96,4 +97,9 @@ __all__ = [
     "AccumulationOption",
     "TrainingPlan",
     "plan_training",
+    "Headroom",
+    "default_headroom",
+    "device_free_memory",
+    "device_budget",
+    "measure_allocator_overhead",
 ]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from ..units import parse_bytes
-from .batch import BatchCosts, optimizer_for, peak_and_plan, search_batch
+from .batch import BatchCosts, memory_and_headroom, optimizer_for, peak_and_plan, search_batch
 from .estimate import plan_recompute_share, least_recompute_plan
+from .headroom import Headroom
 from .optimizer import OptimizerMemory, accumulating_costs, step_peak
 
 __all__ = ["AccumulationOption", "TrainingPlan", "plan_training"]
@@ -56,15 +56,17 @@ class TrainingPlan:
     recommended: int | None = None
     affine: bool = True
     traces: int = 0
+    headroom: Headroom = Headroom()
+    usable_bytes: int = 0
 
     @property
     def recommendation(self) -> AccumulationOption | None:
         return None if self.recommended is None else self.options[self.recommended]
 
     def to_dict(self) -> dict:
-        return dict(target_batch=self.target_batch, memory_bytes=self.memory_bytes,
-                    optimizer=asdict(self.optimizer), affine=self.affine, traces=self.traces,
-                    recommended=self.recommended, options=[o.to_dict() for o in self.options])
+        return dict(target_batch=self.target_batch, memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes,
+                    headroom=self.headroom.to_dict(), optimizer=asdict(self.optimizer), affine=self.affine,
+                    traces=self.traces, recommended=self.recommended, options=[o.to_dict() for o in self.options])
 
 
 def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -> AccumulationOption:
@@ -103,9 +105,9 @@ def _steps_range(target: int, m_first: int, m_last: int | None, limit: int) -> l
     return ks
 
 
-def plan_training(model, example_inputs, target_batch: int, memory, optimizer: str = "adam",
+def plan_training(model, example_inputs, target_batch: int, memory=None, optimizer: str = "adam",
                   impl: str | None = None, device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
-                  max_options: int = 8) -> TrainingPlan:
+                  max_options: int = 8, headroom: Headroom | None = None) -> TrainingPlan:
     """Micro-batch and accumulation steps that reach ``target_batch`` within ``memory``.
 
     For k accumulation steps the micro-batch is ``ceil(target_batch / k)`` (the
@@ -119,8 +121,11 @@ def plan_training(model, example_inputs, target_batch: int, memory, optimizer: s
     ----------
     target_batch : int
         The batch the optimizer step should see.
-    memory : int or str
-        The memory of the device (``"8GiB"``...).
+    memory : int or str, optional
+        The memory of the device (``"8GiB"``...); default: what it has free.
+    headroom : Headroom, optional
+        Kept free below ``memory`` (see :func:`max_batch`): every option's peak fits in
+        ``headroom.usable(memory)``.
     max_options : int, default 8
         At most this many options between the two ends (the ends are always listed).
     optimizer, impl, device, loss_fn, leaf_modules, capture
@@ -139,9 +144,9 @@ def plan_training(model, example_inputs, target_batch: int, memory, optimizer: s
     """
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
         raise ValueError(f"target_batch must be a positive integer, got {target_batch!r}")
-    mem = parse_bytes(memory)
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
+    total, hr, mem = memory_and_headroom(bc, memory, device, headroom)
     whole = _option(bc, target_batch, 1, mem, opt)
     options = [whole]
     if not whole.fits_no_checkpointing:
@@ -152,4 +157,4 @@ def plan_training(model, example_inputs, target_batch: int, memory, optimizer: s
             options += [_option(bc, math.ceil(target_batch / k), k, mem, opt) for k in ks if k > 1]
     options.sort(key=lambda o: o.steps)
     rec = next((i for i, o in enumerate(options) if o.checkpoints is not None), None)
-    return TrainingPlan(target_batch, mem, opt, options, rec, bc.affine, bc.traces)
+    return TrainingPlan(target_batch, total, opt, options, rec, bc.affine, bc.traces, hr, mem)

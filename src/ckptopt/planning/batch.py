@@ -13,6 +13,7 @@ from ..tracer import trace
 from ..tracer.chain import trace_captured
 from ..units import parse_bytes
 from .estimate import batch_of, optimal_plan, plan_recompute_share, trainable_sizes
+from .headroom import Headroom, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
@@ -221,11 +222,13 @@ class MaxBatch:
     optimal: BatchFit
     affine: bool
     traces: int
+    headroom: Headroom = Headroom()
+    usable_bytes: int = 0
 
     def to_dict(self) -> dict:
-        return dict(memory_bytes=self.memory_bytes, optimizer=asdict(self.optimizer), affine=self.affine,
-                    traces=self.traces, no_checkpointing=self.no_checkpointing.to_dict(),
-                    optimal=self.optimal.to_dict())
+        return dict(memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes, headroom=self.headroom.to_dict(),
+                    optimizer=asdict(self.optimizer), affine=self.affine, traces=self.traces,
+                    no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
 
 
 def peak_and_plan(costs: ChainCosts, strategy: str, opt: OptimizerMemory, grads: int, accumulate: bool = False,
@@ -303,8 +306,9 @@ def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str 
     return optimizer_memory(bc.sizes, optimizer, impl, dev)
 
 
-def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str | None = None,
-              device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto") -> MaxBatch:
+def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl: str | None = None,
+              device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
+              headroom: Headroom | None = None) -> MaxBatch:
     """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
 
     Parameters
@@ -312,10 +316,15 @@ def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str 
     model : nn.Module
     example_inputs : Tensor or tuple
         One batch of any size; other sizes repeat its rows along dimension 0.
-    memory : int or str
-        Bytes, or a size such as ``"8GiB"``, ``"8GB"``, ``"512MiB"``.
+    memory : int or str, optional
+        Bytes, or a size such as ``"8GiB"``, ``"8GB"``, ``"512MiB"``. Default: what the
+        device has free (:func:`device_free_memory`).
     optimizer, impl, device, loss_fn, leaf_modules, capture
         As for :func:`estimate`.
+    headroom : Headroom, optional
+        Kept free below ``memory`` for the caching allocator and library workspaces;
+        default :func:`default_headroom` of the device (none on the CPU). The batch
+        reported peaks at most ``headroom.usable(memory)``.
 
     Returns
     -------
@@ -330,9 +339,22 @@ def max_batch(model, example_inputs, memory, optimizer: str = "adam", impl: str 
     bisection: O(log b) simulations (and solves of the ``auto`` policy for the optimal plan).
     The answer ``b`` and ``b + 1`` are traced to confirm the interpolation.
     """
-    mem = parse_bytes(memory)
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
-    none = search_batch(bc, "none", mem, opt)
-    best = search_batch(bc, "optimal", mem, opt)
-    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces)
+    mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
+    none = search_batch(bc, "none", usable, opt)
+    best = search_batch(bc, "optimal", usable, opt)
+    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable)
+
+
+def memory_and_headroom(bc: BatchCosts, memory, device: str | None,
+                        headroom: Headroom | None) -> tuple[int, Headroom, int]:
+    """``(memory, headroom, usable)``: the limit (the device's free memory when not given), the
+    headroom kept below it, and the largest predicted peak that leaves it free."""
+    dev = device or str(next(bc.model.parameters()).device)
+    mem = parse_bytes(memory) if memory is not None else device_free_memory(dev)
+    hr = headroom or default_headroom(dev)
+    usable = hr.usable(mem)
+    if usable <= 0:
+        raise ValueError(f"{mem} bytes leave nothing after the headroom ({hr.describe()})")
+    return mem, hr, usable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -13,6 +14,7 @@ from ..errors import InfeasibleBudget
 from ..plan import Plan
 from ..torch_utils import Inputs, normalize_inputs
 from ..tracer import trace
+from .headroom import Headroom, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory, step_peak
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
@@ -194,11 +196,20 @@ class Estimate:
     grad_bytes: int
     no_checkpointing: PeakEstimate
     optimal: PeakEstimate
+    headroom: Headroom = Headroom()
+    calibrated: bool = False
+
+    def needed_bytes(self, pe: PeakEstimate) -> int:
+        """The memory a device must have for the step of ``pe``: its peak plus the headroom."""
+        return self.headroom.needed(pe.peak_bytes)
 
     def to_dict(self) -> dict:
         return dict(batch_size=self.batch_size, n_layers=self.n_layers, optimizer=asdict(self.optimizer),
-                    param_bytes=self.param_bytes, grad_bytes=self.grad_bytes,
-                    no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
+                    param_bytes=self.param_bytes, grad_bytes=self.grad_bytes, headroom=self.headroom.to_dict(),
+                    calibrated=self.calibrated, no_checkpointing=self.no_checkpointing.to_dict(),
+                    optimal=self.optimal.to_dict(),
+                    needed_bytes=dict(no_checkpointing=self.needed_bytes(self.no_checkpointing),
+                                      optimal=self.needed_bytes(self.optimal)))
 
 
 def trainable_sizes(model) -> list[int]:
@@ -218,7 +229,8 @@ def batch_of(inputs: Inputs) -> int | None:
 
 
 def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = None, device: str | None = None,
-             loss_fn: Callable | None = None, leaf_modules=None, capture: str = "auto") -> Estimate:
+             loss_fn: Callable | None = None, leaf_modules=None, capture: str = "auto",
+             calibrate: bool | None = None, headroom: Headroom | None = None) -> Estimate:
     """Predicted peak of one training step, optimizer step included, without and with the optimal plan.
 
     Parameters
@@ -237,6 +249,12 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
         Default: the model's device.
     loss_fn, leaf_modules, capture
         As for :func:`ckptopt.trace`.
+    calibrate : bool, optional
+        Run each layer once on the device first (:mod:`ckptopt.calibration`): library
+        workspaces and operator scratch join the peak. Default: on CUDA.
+    headroom : Headroom, optional
+        What the caching allocator needs beyond the peak (:func:`default_headroom`:
+        none on the CPU); ``Estimate.needed_bytes`` adds it.
 
     Returns
     -------
@@ -253,9 +271,15 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
     sizes = trainable_sizes(model)
     dev = device or str(next(model.parameters()).device)
+    calibrated = calibrate if calibrate is not None else dev.startswith("cuda")
+    if calibrated:
+        from ..calibration import calibrate as run_calibration
+
+        tm = dataclasses.replace(tm, costs=run_calibration(model, tm, inputs).apply(tm.costs))
+    hr = headroom or default_headroom(dev, calibrated=calibrated)
     opt = optimizer_memory(sizes, optimizer, impl, dev)
     grads = sum(sizes)
     none = peak_estimate(tm.costs, (), opt, tm.param_bytes, grads, "no checkpointing")
     best = optimal_plan(tm.costs, opt, step_peak(tm.costs, grads, opt))
     optimal = peak_estimate(tm.costs, best, opt, tm.param_bytes, grads, "optimal plan")
-    return Estimate(batch_of(inputs), tm.n, opt, tm.param_bytes, grads, none, optimal)
+    return Estimate(batch_of(inputs), tm.n, opt, tm.param_bytes, grads, none, optimal, hr, calibrated)

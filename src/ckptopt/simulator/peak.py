@@ -42,10 +42,15 @@ class SimResult:
         Index of the segment that layer belongs to (0-based).
     recompute_flops : int
         Forward compute the plan runs again in backward: :attr:`ChainCosts.c`
-        summed over :func:`recomputed_layers` (FLOPs for traced models; a
-        count of layers when the costs carry no compute).
+        summed over :func:`recomputed_layers`, in the cost model's unit
+        (:attr:`ChainCosts.unit`: FLOPs for traced models, nanoseconds once
+        calibrated; a count of layers when the costs carry no compute).
     forward_flops : int
         Compute of one forward pass (the sum of ``c``).
+    step_flops : int
+        Compute of one step without recomputation (:attr:`ChainCosts.step_compute`).
+    unit : str
+        The unit of the three compute figures.
     """
 
     peak_bytes: int
@@ -54,12 +59,21 @@ class SimResult:
     segment: int
     recompute_flops: int = 0
     forward_flops: int = 0
+    step_flops: int = 0
+    unit: str = "flops"
 
     @property
     def recompute_share(self) -> float:
-        """Recomputation as a share of one training step without it, a step
-        taken as forward + backward = 3 x forward (backward ~ 2 x forward)."""
-        return self.recompute_flops / (3 * self.forward_flops) if self.forward_flops else 0.0
+        """Recomputation as a share of one training step without it: the step's measured
+        forward + backward when the costs carry backward costs, else 3 x forward
+        (backward ~ 2 x forward)."""
+        step = self.step_flops or 3 * self.forward_flops
+        return self.recompute_flops / step if step else 0.0
+
+    @property
+    def recompute_seconds(self) -> float | None:
+        """The recomputation in seconds, when the compute was measured in ns (else None)."""
+        return self.recompute_flops / 1e9 if self.unit == "ns" else None
 
 
 def checked_plan(costs: ChainCosts, checkpoints, stored, fn: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -112,7 +126,8 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = costs.compute_prefix
     recompute = kernels.plan_recompute(starts, keep, costs.n, full, K, cpre)
-    return SimResult(int(peak) + costs.static, PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]))
+    return SimResult(int(peak) + costs.static, PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]),
+                     costs.step_compute, costs.unit)
 
 
 def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...] = ()) -> int:

@@ -113,6 +113,13 @@ class TracedModel:
     hoisted : tuple of str
         Static graph nodes computed once before the first layer (counted in
         the static bytes; :mod:`ckptopt.tracer.statics`).
+    constants : dict
+        Node name -> the non-tensor value it had (sizes, flags), to rebuild a layer.
+    tensor_meta : dict
+        Node name -> ``(shape, dtype, requires_grad)`` of every layer input, to run a
+        layer alone on a device (:mod:`ckptopt.calibration`).
+    calibration : Calibration or None
+        Set when ``costs`` were calibrated on the device (:mod:`ckptopt.calibration`).
     """
 
     gm: fx.GraphModule
@@ -127,6 +134,9 @@ class TracedModel:
     loss_fn: Callable | None = None
     capture: Captured | None = None
     hoisted: tuple[str, ...] = ()
+    constants: dict = dataclasses.field(default_factory=dict)
+    tensor_meta: dict = dataclasses.field(default_factory=dict)
+    calibration: Any = None
 
     @property
     def n(self) -> int:
@@ -335,8 +345,12 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         names=[l.name for l in layers], c=[l.flops for l in layers],
     )
     graph = _nx_graph(gm, values, fake_gm)
+    constants = {n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)}
+    read = {name for l in layers for name in (l.input_node, *l.static_inputs)}
+    tensor_meta = {n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
+                   if n.name in read and isinstance(v, torch.Tensor)}
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
-                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted))
+                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta)
 
 
 def _merge_pass_through(groups: list[tuple[list[fx.Node], fx.Node | None]],

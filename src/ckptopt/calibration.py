@@ -1,0 +1,347 @@
+"""Device calibration: each layer run once on the real device, folded into the cost model.
+
+The traced cost model counts tensors, measured on fake tensors. On a real device two
+more things cost memory and one thing costs time:
+
+* **scratch**: memory an operator takes from the allocator beyond its tensors (cuDNN
+  convolution workspaces, block rounding), present only while it runs: the
+  allocator's peak minus the tensor-storage peak of the same phase;
+* **a fixed workspace**: what the libraries keep once the first matrix product ran
+  (cuBLAS: 65-70 MB on an H100, ``../shared/GPU_MEASUREMENTS.md``), measured, never
+  assumed;
+* **time**: the forward and backward of each layer, measured, so that recomputation
+  is priced in seconds rather than FLOPs (memory-bound BatchNorm/ReLU/add cost more
+  than their FLOPs on a GPU).
+
+:func:`calibrate` runs each layer alone (its inputs synthesized at the traced shapes;
+model inputs and the values computed from them alone are the real ones), so only one
+layer's memory is ever allocated, and caches the result per layer signature, shapes,
+dtype and device: a model's repeated blocks are measured once.
+:meth:`Calibration.apply` folds it into a :class:`~ckptopt.ChainCosts` (scratch into
+the transients ``f``/``fs``/``b``/``bk``, the workspace into the static bytes, times
+into ``c``/``cb`` with unit ``"ns"``), so the simulator and every solver see it. On
+a device without allocator statistics (the CPU) scratch and workspace are zero and
+only the times change.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .costs import ChainCosts
+from .torch_utils import Inputs, distinct_storages, no_lasting_state, normalize_inputs, storage_nbytes, tensor_leaves
+from .tracer import TracedModel
+from .tracer.cuts import WithLoss, subgraph_module
+from .tracker import StorageTracker
+
+__all__ = ["LayerCalibration", "Calibration", "DeviceProbe", "calibrate", "clear_cache"]
+
+
+# --------------------------------------------------------------------------
+# what a device tells about its memory
+# --------------------------------------------------------------------------
+class DeviceProbe:
+    """Allocator statistics and synchronization of one device.
+
+    ``phase()`` returns the allocator's peak since ``begin()`` above what was allocated
+    then, or None where the device keeps no statistics (the CPU); ``workspace(live)``
+    the bytes allocated beyond the live tensors ``live`` (libraries' workspaces).
+    Subclass it to inject figures (the tests do, on CPU).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._base = 0
+
+    @property
+    def has_statistics(self) -> bool:
+        """Whether :meth:`phase` reports an allocator peak (CUDA), so that scratch can be measured."""
+        return self.cuda
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def begin(self) -> None:
+        if self.cuda:
+            self.synchronize()
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def phase(self) -> int | None:
+        if not self.cuda:
+            return None
+        self.synchronize()
+        return int(torch.cuda.max_memory_allocated(self.device)) - self._base
+
+    def workspace(self, live_bytes: int) -> int:
+        if not self.cuda:
+            return 0
+        self.synchronize()
+        return max(0, int(torch.cuda.memory_allocated(self.device)) - live_bytes)
+
+
+# --------------------------------------------------------------------------
+# results
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerCalibration:
+    """One layer measured on the device.
+
+    Attributes
+    ----------
+    forward_seconds, backward_seconds : float
+        Medians over the timed repeats (after a warm-up run).
+    forward_scratch, backward_scratch : int
+        Allocator peak minus tensor-storage peak of the phase (0 without allocator statistics).
+    cached : bool
+        Taken from an earlier measurement of the same layer signature.
+    """
+
+    forward_seconds: float
+    backward_seconds: float
+    forward_scratch: int = 0
+    backward_scratch: int = 0
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured; :meth:`apply` folds it into a cost model."""
+
+    device: str
+    layers: tuple[LayerCalibration, ...]
+    workspace_bytes: int = 0
+    seconds: float = 0.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def measured(self) -> int:
+        """How many layers were run (the others reused a measurement of the same signature)."""
+        return sum(not layer.cached for layer in self.layers)
+
+    def apply(self, costs: ChainCosts) -> ChainCosts:
+        """``costs`` with scratch in the transients, the workspace in the static bytes, and measured
+        times (ns) as the compute costs ``c`` (forward) and ``cb`` (backward)."""
+        if len(self.layers) != costs.n:
+            raise ValueError(f"the calibration has {len(self.layers)} layers, the cost model {costs.n}")
+        d = costs.to_dict()
+        layers = d["layers"]
+        for i, cal in enumerate(self.layers):
+            layers["f"][i] += cal.forward_scratch
+            if layers["fs"][i] > 0:
+                layers["fs"][i] += cal.forward_scratch
+            layers["b"][i] += cal.backward_scratch
+            layers["bk"][i] += cal.backward_scratch
+        d["static"] = int(d["static"]) + self.workspace_bytes
+        d["compute"] = [int(round(cal.forward_seconds * 1e9)) for cal in self.layers]
+        d["backward_compute"] = [int(round(cal.backward_seconds * 1e9)) for cal in self.layers]
+        d["compute_unit"] = "ns"
+        return ChainCosts.from_dict(d)
+
+
+_CACHE: dict[tuple, LayerCalibration] = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached layer measurement."""
+    _CACHE.clear()
+
+
+# --------------------------------------------------------------------------
+# running the layers
+# --------------------------------------------------------------------------
+def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeats: int = 3,
+              probe: DeviceProbe | None = None, cache: bool = True) -> Calibration:
+    """Run every layer of ``traced`` alone on the model's device and measure it.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The traced model, on the device it trains on (its parameters are used; its
+        buffers, gradients and RNG state are left as they were).
+    traced : TracedModel
+        ``ckptopt.trace(model, example_inputs)``.
+    example_inputs
+        The batch it was traced with (model inputs are run as they are).
+    repeats : int, default 3
+        Timed runs per layer after a warm-up run; the medians are kept.
+    probe : DeviceProbe, optional
+        The device's allocator statistics (default: the model's device).
+    cache : bool, default True
+        Reuse measurements of layers with the same signature, shapes, dtype and device.
+
+    Returns
+    -------
+    Calibration
+
+    Notes
+    -----
+    Only one layer's activations exist at a time: its input is synthesized at the
+    traced shape (random values; the model's inputs and the static values computed from
+    them are the real ones).
+    """
+    inputs = normalize_inputs(example_inputs)
+    params = list(model.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    probe = probe or DeviceProbe(device)
+    t_start = time.perf_counter()
+    built = _layer_modules(traced, inputs, device)
+    out: list[LayerCalibration] = []
+    with no_lasting_state(model, inputs.tensors(), device):
+        for module, x, statics, key in built:
+            full_key = (key, str(device), type(probe).__name__)
+            if cache and full_key in _CACHE:
+                hit = _CACHE[full_key]
+                out.append(LayerCalibration(hit.forward_seconds, hit.backward_seconds, hit.forward_scratch,
+                                            hit.backward_scratch, cached=True))
+                continue
+            cal = _measure(module, x, statics, probe, repeats)
+            if cache:
+                _CACHE[full_key] = cal
+            out.append(cal)
+            for p in module.parameters():
+                p.grad = None
+        live = sum(storage_nbytes(t) for t in distinct_storages(list(model.parameters()) + list(model.buffers())
+                                                                  + inputs.tensors()))
+        workspace = probe.workspace(live)
+    return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start)
+
+
+def _measure(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe,
+             repeats: int) -> LayerCalibration:
+    fwd_t, bwd_t = [], []
+    for r in range(repeats + 1):  # run 0 warms up (lazy library state, algorithm choice)
+        t_fwd, t_bwd = _run_once(module, x, statics, probe)
+        if r:
+            fwd_t.append(t_fwd)
+            bwd_t.append(t_bwd)
+    fwd_s = bwd_s = 0
+    if probe.has_statistics:  # one more run under the storage tracker: allocator peak minus tensor peak
+        fwd_s, bwd_s = _scratch(module, x, statics, probe)
+    return LayerCalibration(statistics.median(fwd_t), statistics.median(bwd_t), fwd_s, bwd_s)
+
+
+def _run_once(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe) -> tuple[float, float]:
+    """Forward and backward seconds of one untracked run (the tracker's dispatch would inflate them)."""
+    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    probe.synchronize()
+    t0 = time.perf_counter()
+    y = module(xi, *statics)
+    probe.synchronize()
+    t_fwd = time.perf_counter() - t0
+    ys = [t for t in tensor_leaves(y) if t.requires_grad]
+    grads = [torch.ones_like(t) for t in ys]
+    probe.synchronize()
+    t0 = time.perf_counter()
+    if ys:
+        torch.autograd.backward(ys, grads)
+    probe.synchronize()
+    t_bwd = time.perf_counter() - t0
+    for p in module.parameters():
+        p.grad = None
+    return t_fwd, t_bwd
+
+
+def _scratch(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe) -> tuple[int, int]:
+    """Scratch of the forward and of the backward: the allocator's peak above the phase's start
+    minus the tensor storages' peak above it."""
+    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    tracker = StorageTracker()
+    tracker.register(module, xi, statics)
+    start = tracker.current_bytes
+    probe.begin()
+    with tracker:
+        y = module(xi, *statics)
+    alloc = probe.phase()
+    fwd = 0 if alloc is None else max(0, alloc - (tracker.peak_bytes - start))
+    ys = [t for t in tensor_leaves(y) if t.requires_grad]
+    grads = [torch.ones_like(t) for t in ys]
+    tracker.register(grads)  # a backward may return views of them (a reshape's does)
+    tracker.reset_peak()
+    before = tracker.current_bytes
+    probe.begin()
+    with tracker:
+        if ys:
+            torch.autograd.backward(ys, grads)
+    alloc = probe.phase()
+    bwd = 0 if alloc is None else max(0, alloc - (tracker.peak_bytes - before))
+    tracker.detach()
+    del y, ys, grads, xi
+    for p in module.parameters():
+        p.grad = None
+    return fwd, bwd
+
+
+def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) -> list[tuple]:
+    """``(module, x, statics, signature)`` per layer: the layer on the real parameters, a
+    synthetic input at its traced shape, the real static values it reads."""
+    gm = traced.gm
+    nodes = {n.name: n for n in gm.graph.nodes}
+    consts = {nodes[k]: v for k, v in traced.constants.items() if k in nodes}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = traced.capture.bind(inputs) if traced.capture is not None else list(inputs.args)
+    real: dict[str, Any] = {n.name: v for n, v in zip(placeholders, flat)}
+    real.update(_hoisted_values(gm, traced, nodes, placeholders, flat, consts))
+    model_output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    rebuild = traced.capture.rebuild if traced.capture is not None else None
+    out = []
+    n = traced.n
+    for j, layer in enumerate(traced.layers):
+        if layer.nodes == ("<loss>",):
+            module: nn.Module = WithLoss(None, traced.loss_fn)
+            members: list[fx.Node] = []
+        else:
+            members = [nodes[nm] for nm in layer.nodes]
+            ins = [nodes[layer.input_node]] + [nodes[s] for s in layer.static_inputs]
+            last = j == n - 1
+            output = model_output if last else nodes[traced.layers[j + 1].input_node]
+            body = subgraph_module(gm, members, ins, output, consts)
+            module = WithLoss(body, traced.loss_fn, rebuild) if last else body
+        x = real.get(layer.input_node)
+        if x is None:
+            shape, dtype, grad = traced.tensor_meta[layer.input_node]
+            x = (torch.randn(shape, dtype=dtype, device=device) if dtype.is_floating_point
+                 else torch.zeros(shape, dtype=dtype, device=device)).requires_grad_(grad)
+        statics = [real[s] for s in layer.static_inputs]
+        key = (_signature(gm, members) or ("<loss>",),
+               tuple((tuple(p.shape), p.dtype) for p in module.parameters()),
+               (tuple(x.shape), x.dtype, x.requires_grad),
+               tuple((tuple(s.shape), s.dtype) for s in statics if isinstance(s, torch.Tensor)))
+        out.append((module, x, statics, key))
+    return out
+
+
+def _signature(gm: fx.GraphModule, members: list[fx.Node]) -> tuple:
+    """What a layer runs, without the names that differ between repeated blocks: each op's
+    target (a submodule by its type and settings) and which earlier ops of the layer it reads."""
+    pos = {m: i for i, m in enumerate(members)}
+    out = []
+    for m in members:
+        if m.op == "call_module":
+            sub = gm.get_submodule(m.target)
+            what = f"{type(sub).__name__}({sub.extra_repr()})"
+        else:
+            what = str(m.target)
+        out.append((m.op, what, tuple(pos.get(a, -1) for a in m.all_input_nodes)))
+    return tuple(out)
+
+
+def _hoisted_values(gm: fx.GraphModule, traced: TracedModel, nodes: dict, placeholders: list, flat: list,
+                    consts: dict) -> dict[str, Any]:
+    """The real values of the hoisted static nodes (run once on the real inputs)."""
+    if not traced.hoisted:
+        return {}
+    members = [nodes[nm] for nm in traced.hoisted]
+    prefix = subgraph_module(gm, members, placeholders, tuple(members), consts)
+    with torch.no_grad():
+        values = prefix(*flat)
+    return {m.name: v for m, v in zip(members, values)}

@@ -1,0 +1,145 @@
+"""Headroom: what a memory limit must keep free beyond a predicted peak for a step to run.
+
+The cost model predicts the bytes of live tensors (plus, once calibrated, library
+workspaces and operator scratch). A caching allocator needs more than that to serve
+them: it rounds blocks up and fragments, so that ``torch.cuda.max_memory_reserved``
+runs above ``max_memory_allocated``; a batch whose predicted peak equals the device's
+memory then runs out of memory (6 of 8 such answers did on an H100,
+``../shared/GPU_MEASUREMENTS.md`` §2). A :class:`Headroom` states what is kept:
+
+* ``workspace_bytes``: library workspace not in the cost model (zero when the costs
+  were calibrated: it is in their static bytes);
+* ``fraction``: the allocator's overhead as a share of the peak (reserved against
+  allocated), measured on the device when it can be, else a stated default.
+
+On the CPU there is no caching allocator: no headroom. Every figure here is either
+measured on the device in use or labelled as a default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+__all__ = ["Headroom", "CUDA_DEFAULT_FRACTION", "default_headroom", "device_free_memory", "device_budget",
+           "measure_cuda_workspace", "measure_allocator_overhead"]
+
+#: The allocator overhead assumed on CUDA when none was measured: above the largest
+#: reserved/allocated excess seen on an H100 with the default allocator (GPT, batch 7:
+#: 8.16 GB reserved for 7.67 GB allocated, +6.4%; GPU_MEASUREMENTS.md §2).
+CUDA_DEFAULT_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Bytes kept free below a memory limit: ``workspace_bytes + fraction * peak``.
+
+    Attributes
+    ----------
+    workspace_bytes : int
+    fraction : float
+    source : str
+        Where the figures come from ("none: no caching allocator on cpu", "measured on
+        cuda:0", "default ...", "given").
+    """
+
+    workspace_bytes: int = 0
+    fraction: float = 0.0
+    source: str = "none"
+
+    def __post_init__(self):
+        if self.workspace_bytes < 0 or not (0.0 <= self.fraction < 1.0):
+            raise ValueError(f"a headroom needs workspace_bytes >= 0 and 0 <= fraction < 1, got {self}")
+
+    def needed(self, peak: int) -> int:
+        """The memory a step of predicted ``peak`` needs with this headroom."""
+        return int(peak) + self.workspace_bytes + math.ceil(self.fraction * int(peak))
+
+    def usable(self, memory: int) -> int:
+        """The largest predicted peak that fits in ``memory`` with this headroom (0 if none)."""
+        p = math.floor((int(memory) - self.workspace_bytes) / (1.0 + self.fraction))
+        while p > 0 and self.needed(p) > memory:
+            p -= 1
+        return max(0, p)
+
+    def describe(self) -> str:
+        if not self.workspace_bytes and not self.fraction:
+            return f"no headroom kept ({self.source})"
+        from ..units import format_bytes
+
+        return (f"headroom kept: {format_bytes(self.workspace_bytes)} library workspace + "
+                f"{100 * self.fraction:.1f}% of the peak for the caching allocator ({self.source})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_headroom(device: str, calibrated: bool = False) -> Headroom:
+    """The headroom used when none is given: none on the CPU; on CUDA the library workspace
+    (measured now, unless the costs are calibrated and hold it already) and the allocator
+    overhead :data:`CUDA_DEFAULT_FRACTION`."""
+    if not str(device).startswith("cuda"):
+        return Headroom(0, 0.0, f"none: no caching allocator on {device}")
+    workspace = 0 if calibrated else measure_cuda_workspace(device)
+    return Headroom(workspace, CUDA_DEFAULT_FRACTION,
+                    f"workspace measured on {device}; allocator overhead {CUDA_DEFAULT_FRACTION:.0%} by default "
+                    "(measure_allocator_overhead(model, batch) measures it)")
+
+
+def measure_cuda_workspace(device: str = "cuda") -> int:
+    """Bytes cuBLAS keeps after a matrix product on ``device``, measured from a cleared state."""
+    import torch
+
+    dev = torch.device(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.synchronize(dev)
+    a = torch.ones(64, 64, device=dev)
+    before = torch.cuda.memory_allocated(dev)
+    b = a @ a
+    torch.cuda.synchronize(dev)
+    after = torch.cuda.memory_allocated(dev)
+    return max(0, int(after - before - b.untyped_storage().nbytes()))
+
+
+def measure_allocator_overhead(model, example_inputs, loss_fn=None) -> float:
+    """The caching allocator's overhead on one real step of ``model`` (CUDA): peak reserved over
+    peak allocated, minus one. 0.0 on a device without a caching allocator."""
+    from ..measure import measure_peak_detailed
+
+    m = measure_peak_detailed(model, example_inputs, loss_fn)
+    if m.reserved_bytes is None or not m.peak_bytes:
+        return 0.0
+    return max(0.0, m.reserved_bytes / m.peak_bytes - 1.0)
+
+
+def device_free_memory(device: str) -> int:
+    """Bytes free on ``device``: ``torch.cuda.mem_get_info`` on CUDA, the system's available
+    memory (``/proc/meminfo``) on the CPU.
+
+    Raises
+    ------
+    ValueError
+        Where it cannot be told; pass a number of bytes instead.
+    """
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    raise ValueError(f"cannot tell how much memory {device} has free; pass the memory in bytes (e.g. '8GiB')")
+
+
+def device_budget(device, calibrated: bool = False, headroom: Headroom | None = None) -> int:
+    """The peak a plan may reach on ``device``: its free memory less the headroom."""
+    hr = headroom or default_headroom(str(device), calibrated=calibrated)
+    usable = hr.usable(device_free_memory(str(device)))
+    if usable <= 0:
+        raise ValueError(f"{device} has no memory free beyond the headroom ({hr.describe()})")
+    return usable
