@@ -242,6 +242,32 @@ def test_max_batch_keeps_the_headroom_free():
     assert all(hr.needed(o.peak_bytes) <= memory for o in tp.options if o.checkpoints is not None)
 
 
+def test_max_batch_calibrated_lowers_the_answer_until_the_scratch_fits(monkeypatch):
+    from ckptopt import calibration
+    from ckptopt.planning.batch import BatchCosts, peak_and_plan, with_batch
+    from ckptopt.planning.optimizer import optimizer_memory
+
+    model, x = chain(width=128, depth=3)
+    memory = 8 * 2**20
+    plain = max_batch(model, x, memory, optimizer="sgd", calibrate=False)
+    # a device whose allocator takes 1 MiB beyond the tensors in every backward
+    monkeypatch.setattr(calibration, "DeviceProbe", lambda device: ScriptedProbe(0, 2**20, 0))
+    calibration.clear_cache()
+    mb = max_batch(model, x, memory, optimizer="sgd", calibrate=True)
+    bc = BatchCosts(model, x)
+    opt = optimizer_memory([p.numel() * 4 for p in model.parameters() if p.requires_grad], "sgd", None, "cpu")
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    for fit, before in ((mb.no_checkpointing, plain.no_checkpointing), (mb.optimal, plain.optimal)):
+        assert fit.calibrated and 0 < fit.batch < before.batch
+
+        def calibrated_peak(b):
+            tm = bc.traced(b)
+            costs = calibration.calibrate(model, tm, with_batch(x, b, 8), repeats=1).apply(tm.costs)
+            return peak_and_plan(costs, fit.strategy, opt, grads, final=True)[0]
+
+        assert fit.peak_bytes == calibrated_peak(fit.batch) <= memory < calibrated_peak(fit.batch + 1)
+
+
 def test_memory_left_out_means_the_device_free_memory(monkeypatch):
     model, x = chain(width=128, depth=3)
     monkeypatch.setattr(headroom_mod, "device_free_memory", lambda device: 6 * 2**20)

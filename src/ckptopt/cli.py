@@ -409,7 +409,7 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     model, inputs = _load(args)
     kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
               headroom=_headroom(args))
-    mb = max_batch(model, inputs, memory, **kw)
+    mb = max_batch(model, inputs, memory, calibrate=args.calibrate, **kw)
     memory = mb.memory_bytes
     plan = plan_training(model, inputs, args.target_batch, memory, **kw) if args.target_batch else None
     if args.json:
@@ -429,6 +429,9 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     print(f"  optimal plan:     {_fit_line(mb.optimal)}")
     how = "affine in the batch size" if mb.affine else "not affine at the probes: re-fitted near the answer"
     print(f"  ({mb.traces} traces; cost model {how}; each answer b confirmed by tracing b and b+1)")
+    if mb.optimal.calibrated:
+        print("  each answer then run layer by layer on the device at its batch size (scratch and workspace "
+              "measured) and lowered until they fit")
     print(f"  {mb.headroom.describe()}: the peaks above stay within {format_bytes(mb.usable_bytes)}")
     if str(args.device).startswith("cuda"):
         print("  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator fragment less: with it, measure "

@@ -193,7 +193,9 @@ class BatchFit:
     ``batch`` is 0 when not even batch 1 fits; ``peak_bytes`` is its predicted
     peak, ``next_peak_bytes`` that of ``batch + 1`` (over the memory), both
     confirmed by a trace when ``verified``; ``checkpoints`` and ``stored`` are the
-    plan at ``batch`` (:class:`ckptopt.Plan`'s fields).
+    plan at ``batch`` (:class:`ckptopt.Plan`'s fields). ``calibrated``: the peaks
+    include what the device takes beyond the tensors, measured at these batch sizes
+    (:mod:`ckptopt.calibration`).
     """
 
     strategy: str
@@ -204,6 +206,7 @@ class BatchFit:
     recompute_share: float
     verified: bool
     stored: tuple[int, ...] = ()
+    calibrated: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -308,7 +311,7 @@ def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str 
 
 def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl: str | None = None,
               device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
-              headroom: Headroom | None = None) -> MaxBatch:
+              headroom: Headroom | None = None, calibrate: bool | None = None) -> MaxBatch:
     """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
 
     Parameters
@@ -325,6 +328,8 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
         Kept free below ``memory`` for the caching allocator and library workspaces;
         default :func:`default_headroom` of the device (none on the CPU). The batch
         reported peaks at most ``headroom.usable(memory)``.
+    calibrate : bool, optional
+        Confirm each answer on the device (see Notes). Default: on CUDA.
 
     Returns
     -------
@@ -332,19 +337,64 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
 
     Notes
     -----
-    The cost model is traced at batch 2 and 3 and checked at 8; when every
+    The cost model is traced at batch 4 and 5 and checked at 16; when every
     field is affine in the batch size, candidates are scored on interpolated
     costs (no tracing), otherwise each candidate is traced. The peak grows
     with the batch, so the largest fitting batch is found by doubling and
     bisection: O(log b) simulations (and solves of the ``auto`` policy for the optimal plan).
     The answer ``b`` and ``b + 1`` are traced to confirm the interpolation.
+    Calibrated (the default on CUDA), each answer is then run layer by layer on the
+    device at its batch size (:func:`ckptopt.calibration.calibrate`) and lowered
+    until the measured scratch and workspace fit too (a few calibrations).
     """
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
+    dev = device or str(next(bc.model.parameters()).device)
+    calibrated = calibrate if calibrate is not None else dev.startswith("cuda")
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
     none = search_batch(bc, "none", usable, opt)
     best = search_batch(bc, "optimal", usable, opt)
+    if calibrated:  # the workspace is measured into the calibrated costs: keep only the allocator's share
+        on_device = Headroom(0, hr.fraction, hr.source).usable(mem)
+        none, best = (calibrated_fit(bc, fit, on_device, opt) for fit in (none, best))
     return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable)
+
+
+def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMemory) -> BatchFit:
+    """``fit`` lowered until its peak with the device's scratch and workspace (calibrated at
+    each batch tried) is at most ``usable``: the largest such batch up to ``fit.batch``."""
+    from ..calibration import calibrate
+
+    if fit.batch == 0:
+        return fit
+    grads = sum(bc.sizes)
+    seen: dict[int, tuple[int, Plan, ChainCosts]] = {}
+
+    def peak(b: int) -> int:
+        if b not in seen:
+            tm = bc.traced(b)
+            costs = calibrate(bc.model, tm, with_batch(bc.inputs, b, bc.example_batch)).apply(tm.costs)
+            p, plan = peak_and_plan(costs, fit.strategy, opt, grads, final=True)
+            seen[b] = (p, plan, costs)
+        return seen[b][0]
+
+    lo, hi = 0, fit.batch + 1  # fits(lo) (0 trivially); not fits(hi): the traced peak is over already
+    b = fit.batch
+    while b > lo:  # step down in proportion to the overshoot, then bisect
+        if peak(b) <= usable:
+            lo = b
+            break
+        hi = b
+        b = min(b - 1, b * usable // peak(b))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
+    if lo == 0:
+        return BatchFit(fit.strategy, 0, None, peak(1), (), 0.0, True, calibrated=True)
+    p, plan, costs = seen[lo]
+    share = plan_recompute_share(costs, plan.checkpoints, plan.stored)[1]
+    nxt = seen[hi][0] if hi in seen else fit.next_peak_bytes
+    return BatchFit(fit.strategy, lo, p, nxt, plan.checkpoints, share, True, plan.stored, calibrated=True)
 
 
 def memory_and_headroom(bc: BatchCosts, memory, device: str | None,
