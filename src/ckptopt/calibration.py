@@ -21,7 +21,7 @@ dtype and device: a model's repeated blocks are measured once.
 the transients ``f``/``fs``/``b``/``bk``, the workspace into the static bytes, times
 into ``c``/``cb`` with unit ``"ns"``), so the simulator and every solver see it. On
 a device without allocator statistics (the CPU) scratch and workspace are zero and
-only the times change.
+only the times change. Design notes: ``docs/design.md`` §9.
 """
 
 from __future__ import annotations

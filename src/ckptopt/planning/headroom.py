@@ -13,7 +13,7 @@ memory then runs out of memory (6 of 8 such answers did on an H100,
   allocated), measured on the device when it can be, else a stated default.
 
 On the CPU there is no caching allocator: no headroom. Every figure here is either
-measured on the device in use or labelled as a default.
+measured on the device in use or labelled as a default (``docs/design.md`` §9).
 """
 
 from __future__ import annotations
