@@ -26,6 +26,7 @@ only the times change. Design notes: ``docs/design.md`` §9.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .costs import ChainCosts
-from .torch_utils import Inputs, distinct_storages, no_lasting_state, normalize_inputs, storage_nbytes, tensor_leaves
+from .torch_utils import Inputs, no_lasting_state, normalize_inputs, tensor_leaves
 from .tracer import TracedModel
 from .tracer.cuts import WithLoss, subgraph_module
 from .tracker import StorageTracker
@@ -51,15 +52,18 @@ class DeviceProbe:
     """Allocator statistics and synchronization of one device.
 
     ``phase()`` returns the allocator's peak since ``begin()`` above what was allocated
-    then, or None where the device keeps no statistics (the CPU); ``workspace(live)``
-    the bytes allocated beyond the live tensors ``live`` (libraries' workspaces).
-    Subclass it to inject figures (the tests do, on CPU).
+    then, or None where the device keeps no statistics (the CPU); ``workspace()`` the
+    bytes that stayed allocated since ``start()`` once every tensor of the calibration
+    is gone (libraries' workspaces: ``start()`` clears cuBLAS's, so that they are
+    measured even when an earlier step created them). Subclass it to inject figures
+    (the tests do, on CPU).
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._base = 0
+        self._start = 0
 
     @property
     def has_statistics(self) -> bool:
@@ -82,11 +86,19 @@ class DeviceProbe:
         self.synchronize()
         return int(torch.cuda.max_memory_allocated(self.device)) - self._base
 
-    def workspace(self, live_bytes: int) -> int:
+    def start(self) -> None:
+        if self.cuda:
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            self.synchronize()
+            self._start = torch.cuda.memory_allocated(self.device)
+
+    def workspace(self) -> int:
         if not self.cuda:
             return 0
         self.synchronize()
-        return max(0, int(torch.cuda.memory_allocated(self.device)) - live_bytes)
+        return max(0, int(torch.cuda.memory_allocated(self.device)) - self._start)
 
 
 # --------------------------------------------------------------------------
@@ -194,25 +206,26 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
     device = params[0].device if params else torch.device("cpu")
     probe = probe or DeviceProbe(device)
     t_start = time.perf_counter()
-    built = _layer_modules(traced, inputs, device)
+    built = _layer_modules(traced, inputs, device)  # the static values it computes stay: they are counted
     out: list[LayerCalibration] = []
     with no_lasting_state(model, inputs.tensors(), device):
-        for module, x, statics, key in built:
+        probe.start()
+        for module, make_input, statics, key in built:
             full_key = (key, str(device), type(probe).__name__)
             if cache and full_key in _CACHE:
                 hit = _CACHE[full_key]
                 out.append(LayerCalibration(hit.forward_seconds, hit.backward_seconds, hit.forward_scratch,
                                             hit.backward_scratch, cached=True))
                 continue
+            x = make_input()  # one layer's input at a time
             cal = _measure(module, x, statics, probe, repeats)
+            del x
             if cache:
                 _CACHE[full_key] = cal
             out.append(cal)
             for p in module.parameters():
                 p.grad = None
-        live = sum(storage_nbytes(t) for t in distinct_storages(list(model.parameters()) + list(model.buffers())
-                                                                  + inputs.tensors()))
-        workspace = probe.workspace(live)
+        workspace = probe.workspace()
     return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start)
 
 
@@ -282,8 +295,9 @@ def _scratch(module: nn.Module, x: torch.Tensor, statics: list, probe: DevicePro
 
 
 def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) -> list[tuple]:
-    """``(module, x, statics, signature)`` per layer: the layer on the real parameters, a
-    synthetic input at its traced shape, the real static values it reads."""
+    """``(module, make_input, statics, signature)`` per layer: the layer on the real
+    parameters, a function that makes its input (the real one for the first layer, else
+    synthetic at the traced shape), the real static values it reads."""
     gm = traced.gm
     nodes = {n.name: n for n in gm.graph.nodes}
     consts = {nodes[k]: v for k, v in traced.constants.items() if k in nodes}
@@ -306,18 +320,27 @@ def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) ->
             output = model_output if last else nodes[traced.layers[j + 1].input_node]
             body = subgraph_module(gm, members, ins, output, consts)
             module = WithLoss(body, traced.loss_fn, rebuild) if last else body
-        x = real.get(layer.input_node)
-        if x is None:
-            shape, dtype, grad = traced.tensor_meta[layer.input_node]
-            x = (torch.randn(shape, dtype=dtype, device=device) if dtype.is_floating_point
-                 else torch.zeros(shape, dtype=dtype, device=device)).requires_grad_(grad)
+        given = real.get(layer.input_node)
+        if given is not None:
+            meta = (tuple(given.shape), given.dtype, bool(given.requires_grad))
+            make_input = functools.partial(lambda v: v, given)
+        else:
+            meta = traced.tensor_meta[layer.input_node]
+            make_input = functools.partial(_synthetic, meta, device)
         statics = [real[s] for s in layer.static_inputs]
         key = (_signature(gm, members) or ("<loss>",),
-               tuple((tuple(p.shape), p.dtype) for p in module.parameters()),
-               (tuple(x.shape), x.dtype, x.requires_grad),
+               tuple((tuple(p.shape), p.dtype) for p in module.parameters()), meta,
                tuple((tuple(s.shape), s.dtype) for s in statics if isinstance(s, torch.Tensor)))
-        out.append((module, x, statics, key))
+        out.append((module, make_input, statics, key))
     return out
+
+
+def _synthetic(meta: tuple, device: torch.device) -> torch.Tensor:
+    """A tensor of the traced shape, dtype and requires_grad (random floats, zeros otherwise)."""
+    shape, dtype, grad = meta
+    t = (torch.randn(shape, dtype=dtype, device=device) if dtype.is_floating_point
+         else torch.zeros(shape, dtype=dtype, device=device))
+    return t.requires_grad_(grad)
 
 
 def _signature(gm: fx.GraphModule, members: list[fx.Node]) -> tuple:
