@@ -134,6 +134,8 @@ class ScriptedProbe(DeviceProbe):
 
     def begin(self):
         # like an allocator, count every storage alive, not only what the ops return
+        gc.collect()  # no garbage of earlier tests freed inside the phase (it would lower this peak only)
+        gc.disable()
         self.tracker = StorageTracker()
         with warnings.catch_warnings():  # gc.get_objects touches deprecated torch.distributed aliases
             warnings.simplefilter("ignore")
@@ -144,6 +146,7 @@ class ScriptedProbe(DeviceProbe):
 
     def phase(self):
         self.tracker.__exit__(None, None, None)
+        gc.enable()
         extra = self.scratch["forward" if self.calls % 2 == 0 else "backward"]
         self.calls += 1
         peak = self.tracker.peak_bytes - self.start
@@ -159,7 +162,7 @@ def test_scratch_and_workspace_fold_into_the_cost_model():
     tm = trace(model, x)
     probe = ScriptedProbe(forward_scratch=3000, backward_scratch=5000, workspace=70_000)
     cal = calibrate(model, tm, x, repeats=1, probe=probe, cache=False)
-    assert all(layer.forward_scratch == 3000 and layer.backward_scratch == 5000 for layer in cal.layers)
+    assert [(layer.forward_scratch, layer.backward_scratch) for layer in cal.layers] == [(3000, 5000)] * tm.n
     assert cal.workspace_bytes == 70_000
     costs = cal.apply(tm.costs)
     base = tm.costs
@@ -267,20 +270,25 @@ def test_max_batch_calibrated_lowers_the_answer_until_the_scratch_fits(monkeypat
     model, x = chain(width=128, depth=3)
     memory = 8 * 2**20
     plain = max_batch(model, x, memory, optimizer="sgd", calibrate=False)
-    # a device whose allocator takes 1 MiB beyond the tensors in every backward
-    monkeypatch.setattr(calibration, "DeviceProbe", lambda device: ScriptedProbe(0, 2**20, 0))
-    calibration.clear_cache()
+    calls = []
+
+    def device_with_scratch(model, traced, inputs, **kw):  # its allocator takes 1 MiB in every backward
+        calls.append(traced.example_shapes)
+        return Calibration("cpu", tuple(LayerCalibration(1e-6, 1e-6, 0, 2**20) for _ in range(traced.n)))
+
+    monkeypatch.setattr(calibration, "calibrate", device_with_scratch)
     mb = max_batch(model, x, memory, optimizer="sgd", calibrate=True)
+    assert calls and len(calls) < 20  # a few calibrations, not a search over every batch
     bc = BatchCosts(model, x)
-    opt = optimizer_memory([p.numel() * 4 for p in model.parameters() if p.requires_grad], "sgd", None, "cpu")
-    grads = sum(p.numel() * 4 for p in model.parameters())
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    opt = optimizer_memory(sizes, "sgd", None, "cpu")
     for fit, before in ((mb.no_checkpointing, plain.no_checkpointing), (mb.optimal, plain.optimal)):
         assert fit.calibrated and 0 < fit.batch < before.batch
 
         def calibrated_peak(b):
             tm = bc.traced(b)
-            costs = calibration.calibrate(model, tm, with_batch(x, b, 8), repeats=1).apply(tm.costs)
-            return peak_and_plan(costs, fit.strategy, opt, grads, final=True)[0]
+            costs = device_with_scratch(model, tm, with_batch(x, b, 8)).apply(tm.costs)
+            return peak_and_plan(costs, fit.strategy, opt, sum(sizes), final=True)[0]
 
         assert fit.peak_bytes == calibrated_peak(fit.batch) <= memory < calibrated_peak(fit.batch + 1)
 
