@@ -12,7 +12,6 @@ is what the node's backward adds on top of whatever else is live.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ import torch.nn as nn
 
 from ..errors import InvalidPlan, TraceError
 from ..rewriter import CheckpointedModule
+from ..tracer.layer_costs import InjectGrad
 from ..solvers import solve
 from ..torch_utils import default_loss, fake_copy, normalize_inputs, tensor_leaves
 from ..tracer import TracedModel, trace
@@ -65,24 +65,6 @@ class _Fresh(torch.autograd.Function):
         shared = grad is not None and out is not None and out() is grad.untyped_storage()
         ctx.record[ctx.index] = 0 if grad is None else 2 if shared else 1
         return None, None, None, None
-
-
-class _Inject(torch.autograd.Function):
-    """Ends the graph; its backward creates the output gradient (held by nothing else)."""
-
-    @staticmethod
-    def forward(ctx, y, record):
-        ctx.template = torch.empty_like(y, device="meta")
-        ctx.device = y.device
-        ctx.record = record
-        return y.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = torch.ones_like(ctx.template, device=ctx.device)
-        ctx.record["out"] = weakref.ref(g.untyped_storage())
-        ctx.record["bytes"] = g.untyped_storage().nbytes()
-        return g, None
 
 
 def _measure_node(module: nn.Module, xs: list[torch.Tensor], grad_inputs: list[bool], name: str,
@@ -130,20 +112,20 @@ def _measure_node(module: nn.Module, xs: list[torch.Tensor], grad_inputs: list[b
             saves_output = alias < 0 and id(ys) in saved
             in_ids = {id(s) for s in in_storages}
             extra = sum(s.nbytes() for k, s in saved.items() if k not in in_ids and k != id(ys) and k not in static)
-            end = _Inject.apply(y, record)
+            end = InjectGrad.apply(y, record)
             del y, ys
             saved.clear()
             backward_start = tracker.current_bytes
             tracker.reset_peak()
             end.backward(torch.empty(0, device=dev))
-            b = tracker.peak_bytes - backward_start - record.get("bytes", 0)
+            b = tracker.peak_bytes - backward_start - record.get("grad_bytes", 0)
             del end
     finally:
         tracker.detach()
         for p in params:
             p.grad = None
     kinds = [record.get(p, 0) if g else 0 for p, g in enumerate(grad_inputs)]
-    grad_bytes = int(record.get("bytes", 0))
+    grad_bytes = int(record.get("grad_bytes", 0))
     param_grad = sum(int(p.untyped_storage().nbytes()) for p in params)
     return DagNode(name, tuple(producers), out_bytes, alias, grad_bytes, saves_inputs, bool(saves_output),
                    int(extra), int(f), int(last_pack[0] - start) if last_pack[0] is not None else 0, int(b),

@@ -70,7 +70,7 @@ class _FreshInput(torch.autograd.Function):
         return None, None
 
 
-class _InjectGrad(torch.autograd.Function):
+class InjectGrad(torch.autograd.Function):
     """Ends the graph with a 0-byte tensor; backward creates the output gradient.
 
     Python never holds a reference to that gradient, so the engine frees it as
@@ -89,6 +89,7 @@ class _InjectGrad(torch.autograd.Function):
     def backward(ctx, grad):
         g = torch.ones_like(ctx.template, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
+        ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
         return g, None
 
 
@@ -356,7 +357,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 y_ptr = storage_key(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
                 record: dict[str, int] = {}
-                end = _InjectGrad.apply(y, record)
+                end = InjectGrad.apply(y, record)
                 if grads_exist:
                     # A later layer's gradient for these weights reaches their AccumulateGrad
                     # first and waits in the engine's input buffer; this layer's contribution
