@@ -22,9 +22,17 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            reads a saved tensor (its output gradient plus what ops that save
            nothing, at the end of the layer, already produced): a recomputation
            this backward triggers starts there. Default: ``a[i]``
-``bk[i]``  (optional) ``b[i]`` when the layer's input is held through its backward by
-           the checkpoint of a segment it starts: a layer that saves its input
-           frees it, measured alone, once its backward has read it. Default: ``b[i]``
+``bk[i]``  (optional) ``b[i]`` when only the checkpoint of a segment it starts holds its
+           input: non-reentrant checkpoint keeps its inputs on a frame that the
+           segment's saved tensors reference, so the input is freed once the
+           layer's last saved tensor is released (read only where the previous
+           segment does not keep the input). Default: ``b[i]``
+``bf[i]``  (optional) ``b[i]`` when nothing but the layer itself holds its input although
+           layer ``i-1`` saves its output: the first layer of an unwrapped segment
+           after a checkpointed one, whose previous layer is not recomputed yet.
+           ``b[i]`` is measured as inside a segment (the input held iff layer ``i-1``
+           saves its output), so it is ``bf[i]`` already where layer ``i-1`` saves
+           nothing, and ``bf`` is read only where it does. Default: ``b[i]``
 ``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
            counts (a static model input, a parameter): a checkpointed segment holding it
            keeps its checkpoint, and its backward triggers the recomputation. Default: False
@@ -187,9 +195,11 @@ class KernelArrays(NamedTuple):
     ``rb``    gradient bytes held while a checkpointed segment ending at i is recomputed
     ``ext``   a recomputation that reaches layer i must run it (it saves, or packs a dead tensor)
     ``qbk``   ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input stays held)
+    ``qbf``   ``qb`` with ``bf`` for ``b`` (an unwrapped segment's first layer whose input
+              the previous segment does not keep)
 
     For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
-    (= ``h``) and ``qbk`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
+    (= ``h``), ``qbk`` and ``qbf`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
     are ones and the rest zeros. numba reads the tuple by field name in nopython mode.
     """
 
@@ -211,6 +221,7 @@ class KernelArrays(NamedTuple):
     rb: np.ndarray
     ext: np.ndarray
     qbk: np.ndarray
+    qbf: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -265,6 +276,7 @@ class ChainCosts:
         rg: Sequence[int] | None = None,
         dead: Sequence[bool] | None = None,
         bk: Sequence[int] | None = None,
+        bf: Sequence[int] | None = None,
         holds: Sequence[bool] | None = None,
         cb: Sequence[int] | None = None,
         unit: str = "flops",
@@ -278,6 +290,8 @@ class ChainCosts:
             values["dead"] = dead
         if bk is not None:
             values["bk"] = bk
+        if bf is not None:
+            values["bf"] = bf
         if holds is not None:
             values["holds"] = holds
         self._init("full", values, static, names, c, cb, unit)
@@ -287,8 +301,9 @@ class ChainCosts:
             self._fields["fs"] = d
         if rg is None:  # default: only the output gradient when the backward first reads
             self._fields["rg"] = self._fields["a"]
-        if bk is None:
-            self._fields["bk"] = self._fields["b"]
+        for given, name in ((bk, "bk"), (bf, "bf")):
+            if given is None:
+                self._fields[name] = self._fields["b"]
         for flag, given in (("dead", dead), ("holds", holds)):
             if given is None:
                 z = np.zeros(self.n, dtype=np.int64)
@@ -411,7 +426,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "holds"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "holds"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -421,7 +436,7 @@ class ChainCosts:
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
-                       bk=layers.get("bk"), c=compute, cb=data.get("backward_compute"), unit=unit)
+                       bk=layers.get("bk"), bf=layers.get("bf"), c=compute, cb=data.get("backward_compute"), unit=unit)
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -547,7 +562,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -569,7 +584,10 @@ class ChainCosts:
         rb = np.where(j >= 0, G[j] + rg[j], G + a)
         ext = saves | (self._fields["dead"] > 0)
         qbk = qb - b + self._fields["bk"]
-        return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk)
+        sout_prev = np.concatenate([[0], sout[:-1]])
+        qbf = qb - b + np.where(sout_prev > 0, self._fields["bf"], b)  # b is bf where i-1 saves nothing
+        return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
+                               qbf)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

@@ -43,6 +43,7 @@ def _full(c, checkpoints, stored):
     f = [int(x) for x in c.f]
     b = [int(x) for x in c.b]
     bk = [int(x) for x in c.bk]  # b with the input held through the backward
+    bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
     rg = [int(x) for x in c.rg]
@@ -100,6 +101,17 @@ def _full(c, checkpoints, stored):
     grads = set()  # parameter gradients accumulated so far
     for k in range(last, -1, -1):
         l, r = segs[k]
+        # b is measured with the input held iff the previous layer saves its output. The first
+        # layer of a segment has its input held by an earlier layer only if the previous segment
+        # is stored and its last layer saves its output; otherwise only by the checkpoint's frame
+        # while the layer's saved tensors live (bk), or by nothing else when unwrapped (bf)
+        prev_keeps = k > 0 and unwrapped[k - 1] and sout[l - 1]
+        if l == 0 or prev_keeps:
+            b_first = b[l]
+        elif unwrapped[k]:
+            b_first = bf[l] if sout[l - 1] else b[l]  # (b is measured that way where l-1 saves nothing)
+        else:
+            b_first = bk[l]
         held = set(ckpt) | kept_before(k) | grads | {f"g{r}"}
         top = r  # the backward continues from here after the recomputation
         if unwrapped[k]:
@@ -108,7 +120,7 @@ def _full(c, checkpoints, stored):
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
             while top >= l and not saves_anything(top):
-                peak = max(peak, total(held | grads | {f"g{top}"}) + (bk[top] if top == l and l > 0 else b[top]))
+                peak = max(peak, total(held | grads | {f"g{top}"}) + (b_first if top == l else b[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -145,9 +157,7 @@ def _full(c, checkpoints, stored):
                     break
         for i in range(top, l - 1, -1):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"}
-            # the first layer's input stays held by the checkpoint
-            held_in = i == l and not unwrapped[k] and l > 0
-            peak = max(peak, total(live) + (bk[i] if held_in else b[i]))
+            peak = max(peak, total(live) + (b_first if i == l else b[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

@@ -21,11 +21,12 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     rg = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n)))
     dead = draw(st.one_of(st.none(), flags))
     bk = draw(st.one_of(st.none(), ints))
+    bf = draw(st.one_of(st.none(), ints))
     holds = draw(st.one_of(st.none(), flags))
     return ChainCosts(
         a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, holds=holds,
+        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, bf=bf, holds=holds,
     )
 
 

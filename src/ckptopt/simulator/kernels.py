@@ -10,7 +10,10 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 * backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
   ``qb[i]`` alone for the trailing layers after its last saving layer (their
   backward reads no saved tensor, so it runs before the recomputation), and
-  ``qbk`` for its first layer (the checkpoint holds its input);
+  and, when the previous segment does not keep the segment's input, ``qbk`` for
+  its first layer (the checkpoint's frame holds the input while the layer's
+  saved tensors live); in an unwrapped segment ``qbf`` for that layer instead
+  (nothing else holds its input once its backward has read it);
 * forward at i (wrapped segment): ``f[l]`` at ``i = l``, ``fw[i]`` after;
 * recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])`` for ``i``
   up to the last layer the recomputation runs (:func:`recompute_span`), which
@@ -94,11 +97,12 @@ def recompute_span(l, r, K):
 
 
 @njit(cache=True)
-def segment_peak(l, r, unwrapped, full, K, live_in):
+def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
-    are live while its first layer runs forward.
+    are live while its first layer runs forward. ``prev_keeps``: the previous
+    segment is stored and keeps the segment's input (its last layer saves its output).
     """
     Pl = K.P[l]
     best = NEG
@@ -131,8 +135,8 @@ def segment_peak(l, r, unwrapped, full, K, live_in):
                     best, phase, layer = v, 1, i
     for i in range(r, l - 1, -1):
         q = K.qb[i]
-        if i == l and l > 0 and not unwrapped:  # its input stays held by the checkpoint
-            q = K.qbk[i]
+        if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
+            q = K.qbf[i] if unwrapped else K.qbk[i]  # nothing does, or the checkpoint's frame
         v = K.P[i] - Pl + q if i <= trigger else q
         if v > best:
             best, phase, layer = v, 2, i
@@ -168,7 +172,7 @@ def simulate_plan(starts, stored, n, full, K):
             c = held_checkpoint(l, r, st, full, K)
             live_in = K.ck[l] - c if k > 0 else 0
         held += c
-        v, ph, ly = segment_peak(l, r, st, full, K, live_in)
+        v, ph, ly = segment_peak(l, r, st, full, K, live_in, prev_keeps)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
@@ -204,7 +208,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one)
+                        one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre
@@ -217,7 +221,7 @@ def warmup() -> None:
     for full in (True, False):
         for unwrapped in (True, False):
             held_checkpoint(1, n - 1, unwrapped, full, K)
-            segment_peak(0, n - 1, unwrapped, full, K, 0)
+            segment_peak(0, n - 1, unwrapped, full, K, 0, False)
         recompute_span(0, n - 1, K)
         simulate_plan(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K)
         plan_recompute(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K, cpre)

@@ -78,14 +78,15 @@ def _recompute(l: int, r: int, end: int, partial: bool, K: KernelArrays) -> list
 
 
 def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
-              held_input: bool = False) -> list[tuple[str, int, int]]:
+              held_input: bool = False, free_input: bool = False) -> list[tuple[str, int, int]]:
     """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
     segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation);
-    ``held_input``: the checkpoint holds layer ``l``'s input through its backward (``qbk``)."""
+    ``held_input``: only the checkpoint's frame holds layer ``l``'s input (``qbk``);
+    ``free_input``: nothing but layer ``l`` holds it (``qbf``)."""
     after = r if after is None else after
     out = []
     for i in range(r, l - 1, -1):
-        q = int(K.qbk[i] if held_input and i == l else K.qb[i])
+        q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
         out.append(("backward", i, int(K.P[i] - K.P[l]) + q if i <= after else q))
     return out
 
@@ -138,6 +139,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
     segs = segment_bounds(costs.n, plan)
     m = len(segs)
     held = []
+    kept_in = []  # the previous segment is stored and keeps this one's input
     forward: list[TimelineEvent] = []
     total = 0
     prev_keeps = False
@@ -146,6 +148,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         c = 0 if prev_keeps else int(kernels.held_checkpoint(l, r, unwrapped, full, K))
         total += c
         held.append(total)
+        kept_in.append(prev_keeps)
         if full:
             live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
             base = costs.static + total
@@ -160,9 +163,9 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         base = costs.static + held[k]
         if full and k < m - 1 and l not in kept:  # trailing layers that save nothing, the recomputation, the rest
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
-            trail = _backward(l, r, K, after=trigger, held_input=l > 0)
+            trail = _backward(l, r, K, after=trigger, held_input=l > 0 and not kept_in[k])
             events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
-            events = _backward(l, r, K)
+            events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])
         backward += [TimelineEvent(ph, i, k, base + v) for ph, i, v in events]
     return forward + backward

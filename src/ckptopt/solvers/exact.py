@@ -133,7 +133,7 @@ def dp_cubic(n, full, K):
         for r in range(l, n):
             last = r == n - 1
             c = held_checkpoint(l, r, last, full, K)
-            D = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0)[0]
+            D = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0, False)[0]
             rest = V[r + 1]
             val = c + (D if D > rest else rest)
             if val <= bestv:  # ties: the longest segment
@@ -150,22 +150,24 @@ def dp_quadratic(n, full, K):
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
-    Dc = np.empty(n, dtype=np.int64)
-    Ds = np.empty(n, dtype=np.int64)
+    Dc0 = np.empty(n, dtype=np.int64)
+    Dc1 = np.empty(n, dtype=np.int64)
+    Ds0 = np.empty(n, dtype=np.int64)
+    Ds1 = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+        segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
         bestv = BIG
         bestr = -1
         for r in range(l, n):
             if r == n - 1:
                 c = held_checkpoint(l, r, True, full, K)
-                d = Ds[r]
+                d = Ds0[r]  # after a checkpointed segment
             else:
                 c = hold[r]
-                d = Dc[r]
+                d = Dc0[r]
             if l > 0 and c == 0:
                 v = K.ck[l] + K.f[l]  # the input is live while the first layer runs
                 if v > d:

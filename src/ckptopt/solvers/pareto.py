@@ -138,14 +138,16 @@ def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
     """
     Hmin = np.full(2 * n + 2, BIG, dtype=np.int64)
     Hmin[0] = 0
-    Dc = np.empty(n, dtype=np.int64)
-    Ds = np.empty(n, dtype=np.int64)
+    Dc0 = np.empty(n, dtype=np.int64)
+    Dc1 = np.empty(n, dtype=np.int64)
+    Ds0 = np.empty(n, dtype=np.int64)
+    Ds1 = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     for l in range(n - 1):
         if Hmin[2 * l] >= BIG and Hmin[2 * l + 1] >= BIG:
             continue
-        segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+        segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
         hu = held_checkpoint(l, l, True, full, K)
         for flag in range(2):
             H = Hmin[2 * l + flag]
@@ -153,11 +155,11 @@ def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
                 continue
             for r in range(l, n - 1):
                 c = 0 if flag else hold[r]
-                if H + c + with_live_in(l, c, flag, Dc[r], K) <= cap and H + c < Hmin[2 * (r + 1)]:
+                if H + c + with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K) <= cap and H + c < Hmin[2 * (r + 1)]:
                     Hmin[2 * (r + 1)] = H + c
                 if allow_stored:
                     c = 0 if flag else hu
-                    if H + c + with_live_in(l, c, flag, Ds[r], K) <= cap:
+                    if H + c + with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K) <= cap:
                         h2 = H + c + K.P[r] - K.P[l] + K.keep[r]
                         s2 = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)
                         if h2 < Hmin[s2]:
@@ -180,6 +182,9 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
         stored [l, r]:       (c + max(Ds, S + p'), R')              for (p', R') in F(r+1, sout[r])
         last [l, n-1]:       (c + Ds, 0)
 
+    with ``Dc``, ``Ds`` the rows of :func:`~ckptopt.solvers.rows.segment_row` for ``flag``
+    (whether the previous segment keeps the first layer's input decides its backward term).
+
     A suffix enters only through ``max`` and ``+``, both monotone, so a
     dominated suffix never helps: the recurrence is exact. For a fixed ``r``
     the suffix points below ``D`` give the same peak, so only the last of them
@@ -195,8 +200,10 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
     and returns ``complete = False`` with an empty front.
     """
     Hmin = min_held_prefix(n, full, K, Cpre, cap, allow_stored)
-    Dc = np.empty(n, dtype=np.int64)
-    Ds = np.empty(n, dtype=np.int64)
+    Dc0 = np.empty(n, dtype=np.int64)
+    Dc1 = np.empty(n, dtype=np.int64)
+    Ds0 = np.empty(n, dtype=np.int64)
+    Ds1 = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
     size = 1024
@@ -223,7 +230,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
             if Hmin[st] >= BIG:
                 continue
             if not row_done:
-                segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec)
+                segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
                 row_done = True
             work += n - l
             limit = cap - Hmin[st]
@@ -233,7 +240,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
                     cp, cr, cc, cn, ck_ = grow(cp, m + 2), grow(cr, m + 2), grow(cc, m + 2), grow(cn, m + 2), grow(ck_, m + 2)
                 if r == n - 1:
                     c = 0 if flag else hu
-                    d = with_live_in(l, c, flag, Ds[r], K)
+                    d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K)
                     if c + d <= limit:
                         cp[m] = c + d
                         cr[m] = 0
@@ -247,13 +254,13 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
                         break
                     if kind == 0:
                         c = 0 if flag else hold[r]
-                        d = with_live_in(l, c, flag, Dc[r], K)
+                        d = with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K)
                         extra = 0
                         rc = rec[r]
                         nxt = 2 * (r + 1)
                     else:
                         c = 0 if flag else hu
-                        d = with_live_in(l, c, flag, Ds[r], K)
+                        d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K)
                         extra = K.P[r] - K.P[l] + K.keep[r]
                         rc = 0
                         nxt = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)

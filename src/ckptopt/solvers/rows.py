@@ -19,28 +19,35 @@ __all__ = ["segment_row", "with_live_in", "plan_from_choice", "grow"]
 
 
 @njit(cache=True)
-def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
+def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     """Every segment ``[l, r]``, r = l..n-1, in O(n - l): each entry costs O(1)
     after the previous one (running maxima; the recomputation term is ``rb[r]``
     plus a running maximum taken up to the last layer the recomputation
     runs, which only moves forward with ``r``).
 
     Fills, relative to the segment's checkpoints and without the live-input
-    term (the caller adds ``ck[l] + f[l]`` when nothing holds the input):
+    term (the caller adds ``ck[l] + f[l]`` when nothing holds the input), with
+    the suffix the flag of the state: 1 when the previous segment is stored and
+    keeps the segment's input (then the first layer's backward takes ``qb``), 0
+    otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does):
 
-    * ``Dc[r]``: peak of the segment checkpointed (r < n-1);
-    * ``Ds[r]``: peak of the segment run unwrapped (the last segment, or a
-      stored one): its forward keeps what it saves, no recomputation;
+    * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1);
+    * ``Ds0[r]``, ``Ds1[r]``: peak of the segment run unwrapped (the last
+      segment, or a stored one): its forward keeps what it saves, no recomputation;
     * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
       ``held_checkpoint``; the unwrapped hold does not depend on r);
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
       sums ``Cpre`` of the per-layer compute.
     """
     Pl = K.P[l]
-    bwd = NEG
-    bwdc = NEG  # the same for the segment checkpointed: its first layer's input stays held
-    bwd_j = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
-    tail = NEG  # ... and after it (without: they run before the recomputation)
+    first = l > 0  # the first layer's input may be held by the previous segment or not
+    bwd1 = NEG  # backward terms, running max: the input held by the previous segment ...
+    bwd0 = NEG  # ... or not, unwrapped (qbf) ...
+    bwdc = NEG  # ... or not, checkpointed (qbk)
+    bwd_j0 = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
+    bwd_j1 = NEG
+    tail0 = NEG  # ... and after it (without: they run before the recomputation)
+    tail1 = NEG
     fwdw = K.f[l]  # wrapped forward, running max
     pm = K.f[l]  # running max of the live-forward term (recompute / unwrapped forward)
     pm_prev = NEG
@@ -50,21 +57,26 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
     e = l - 1  # last layer the recomputation runs
     for r in range(l, n):
         v = K.P[r] - Pl + K.qb[r]
-        vc = v
-        if r == l and l > 0:
-            vc = K.qbk[l]  # the checkpoint holds the input through the first layer's backward
-        if v > bwd:
-            bwd = v
+        v0 = K.qbf[l] if r == l and first else v
+        vc = K.qbk[l] if r == l and first else v
+        if v > bwd1:
+            bwd1 = v
+        if v0 > bwd0:
+            bwd0 = v0
         if vc > bwdc:
             bwdc = vc
         if K.saves[r] != 0:
             seg_saves = True
-            bwd_j = bwdc
-            tail = NEG
+            bwd_j0 = bwdc
+            bwd_j1 = bwd1
+            tail0 = NEG
+            tail1 = NEG
         else:
-            qt = K.qbk[l] if r == l and l > 0 else K.qb[r]
-            if qt > tail:
-                tail = qt
+            qt = K.qbk[l] if r == l and first else K.qb[r]
+            if qt > tail0:
+                tail0 = qt
+            if K.qb[r] > tail1:
+                tail1 = K.qb[r]
         if full:
             if r > l:
                 if K.fw[r] > fwdw:
@@ -86,18 +98,20 @@ def segment_row(l, n, full, K, Cpre, Dc, Ds, hold, rec):
                     e_pm = pm_prev
                     has_e = True
                     e = r - 1
-            Ds[r] = bwd if bwd > pm else pm
-            d = bwd_j if bwd_j > tail else tail
-            if fwdw > d:
-                d = fwdw
-            if has_e:
-                v = K.rb[r] + e_pm
-                if v > d:
-                    d = v
-            Dc[r] = d
+            Ds1[r] = bwd1 if bwd1 > pm else pm
+            Ds0[r] = bwd0 if bwd0 > pm else pm
+            rest = fwdw
+            if has_e and K.rb[r] + e_pm > rest:
+                rest = K.rb[r] + e_pm
+            d = bwd_j0 if bwd_j0 > tail0 else tail0
+            Dc0[r] = d if d > rest else rest
+            d = bwd_j1 if bwd_j1 > tail1 else tail1
+            Dc1[r] = d if d > rest else rest
         else:
-            Ds[r] = bwd
-            Dc[r] = bwd
+            Ds1[r] = bwd1
+            Ds0[r] = bwd0
+            Dc0[r] = bwdc
+            Dc1[r] = bwd1
             e = r
         if l == 0:
             hold[r] = 0

@@ -296,15 +296,13 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
             # a tied or reused weight whose gradient a later layer already created
             existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
             try:
-                # an input the previous layer saves stays alive through this layer's backward
-                keep = bool(layers and layers[-1].costs.sout)
+                # an input the previous layer saves stays alive through this layer's backward, and
+                # so does the model input (the caller holds it); measure_layer also gives the
+                # figures with the input held by nothing else (bf) and by a checkpoint (bk)
+                keep = bool(not layers or layers[-1].costs.sout)
                 kw = dict(input_requires_grad=bool(x.requires_grad), grads_exist=existing,
                           leaf_input=bool(x.requires_grad and x.is_leaf), static_inputs=extra)
                 m = measure_layer(module, x, keep_input=keep, **kw)
-                if m.sin and not keep:
-                    # the input is held through this layer's backward when something else holds
-                    # it (a checkpoint, the model input): measured again with the input kept
-                    m = dataclasses.replace(m, bk=measure_layer(module, x, keep_input=True, **kw).b)
             except Exception as exc:
                 raise TraceError(
                     f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -318,7 +316,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         if single_output:
             y = values[model_output]
             loss_layer = WithLoss(None, loss_fn)
-            m = measure_layer(loss_layer, y, keep_input=bool(layers and layers[-1].costs.sout))
+            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout))
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 forward_flops(loss_layer, y)))
 
@@ -340,6 +338,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
         bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
+        bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
         dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],

@@ -44,6 +44,7 @@ class LayerMeasurement:
     rg: int | None = None
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
+    bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
     holds: bool = False
 
     @property
@@ -176,10 +177,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         as in the model (out of place where the layer uses it twice), not
         dropped on arrival.
     keep_input : bool, default False
-        Keep the input alive through the backward, as it is inside a model
-        whose previous layer saves its output (a ResNet block's input is the
-        previous block's saved ReLU output): ``b`` then includes the input's
-        storage at every moment the layer alone would already have freed it.
+        Report as ``b`` the figure with the input alive through the backward, as
+        it is inside a model whose previous layer saves its output (a ResNet
+        block's input is the previous block's saved ReLU output) or for the model
+        input: ``b`` then includes the input's storage at every moment the layer
+        alone would already have freed it. Either way ``bf`` (the input held by
+        nothing else) and ``bk`` (held only while the layer's saved tensors live,
+        as by a checkpoint's frame) come out of the same run.
     static_inputs : iterable of Tensor, optional
         Further inputs that are static memory of the step (model inputs that need
         no gradient, masks computed from them): the layer runs as
@@ -248,6 +252,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             autograd Function, so nothing else holds it. ``b`` therefore
             includes the input gradient, the new parameter gradients and
             the backward's transients.
+        ``bf``, ``bk``
+            ``b`` with the input freed once the last saved tensor over its
+            storage is released, and once the layer's last saved tensor is
+            released. The backward runs once with the input held; the live
+            bytes after every operator and the moments the saved tensors are
+            released give all three figures (:func:`_backward_peaks`).
         ``buffer_bytes``, ``input_bytes``
             ``Buf`` and ``X``, for reference (buffers belong to the static
             bytes K of the chain model, not to ``m``).
@@ -308,6 +318,14 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         # when the forward ends: ops whose output is never used (a dead branch) save tensors
         # that die with that output.
         packs: list[tuple] = []
+        # When each saved tensor is released: (timeline index, it holds the input's storage).
+        # The backward runs once with the input held; the figures for an input held by nothing
+        # else, or held only while the layer's saved tensors live (a checkpoint's frame), follow
+        # from these moments (_backward_peaks).
+        released: list[tuple[int, bool]] = []
+
+        def on_release(holds_input: bool) -> None:
+            released.append((len(tracker.timeline), holds_input))
 
         def pack(t: torch.Tensor) -> _Packed:
             s = real_storage(t, fake)
@@ -315,6 +333,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
             key = storage_key(s) if s is not None and tracker.is_tracked(t) else None
             box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
+            weakref.finalize(box, on_release, key is not None and key == x_ptr).atexit = False
             packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
             return box
 
@@ -327,7 +346,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
 
         grads_exist = list(grads_exist)
         pending = storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
-        tracker = StorageTracker(fake=fake)
+        tracker = StorageTracker(fake=fake, timeline=True)
         tracker.register(module, x, *casts, *static_inputs)  # cached weight casts are static, like the weights
         start = tracker.current_bytes
         try:
@@ -365,14 +384,18 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                     # runs first) reproduces that; its buffered gradient is subtracted below,
                     # since the chain model counts it among the later layer's gradients.
                     end = end.sum() + sum((prm * 0).sum() for prm in grads_exist)
-                held_input = x if keep_input else None
+                held_input = x  # held through the backward; see _backward_peaks for the other cases
                 del x, y, ys
                 # backward
                 backward_start = tracker.current_bytes
-                tracker.reset_peak()
+                k0 = len(tracker.timeline)
+                released.clear()  # (a dead branch's saved tensors die in the forward)
+                alive = sum(ref() is not None for ref, *_ in packs)
+                alive_input = sum(ref() is not None and key is not None and key == x_ptr for ref, key, *_ in packs)
                 end.backward(torch.empty(0, device=dev) if end.dim() else None)
-                backward_peak = tracker.peak_bytes
                 del end, held_input
+                peaks = _backward_peaks(tracker.timeline, k0, backward_start, input_bytes, released, alive,
+                                        alive_input)
         finally:
             tracker.detach()
 
@@ -387,13 +410,45 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
         fs=int(last_pack - start) if last_pack is not None else 0,
-        b=int(backward_peak - backward_start - record.get("grad_bytes", 0) - pending),
+        b=int(peaks[0 if keep_input else 1] - record.get("grad_bytes", 0) - pending),
+        bf=int(peaks[1] - record.get("grad_bytes", 0) - pending),
+        bk=int(peaks[2] - record.get("grad_bytes", 0) - pending),
         rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
     )
+
+
+def _backward_peaks(timeline: list, k0: int, start: int, input_bytes: int, released: list[tuple[int, bool]],
+                    alive: int, alive_input: int) -> tuple[int, int, int]:
+    """Backward peaks above ``start`` of one backward run with the input held, for the input
+    (a) held throughout (the previous layer saves it, or it is the model input), (b) held by
+    nothing else: gone once the last saved tensor over its storage is released (before the
+    backward when none is), (c) held by a checkpoint's frame: gone once the layer's last saved
+    tensor is released. ``timeline[k0:]``: live bytes after each backward op; ``released``:
+    (timeline index, over the input) per saved tensor released; ``alive``/``alive_input``: how
+    many were kept at the start."""
+
+    def gone_from(count: int, only_input: bool) -> int:
+        if count == 0:
+            return k0
+        for index, over_input in released:
+            if over_input or not only_input:
+                count -= 1
+                if count == 0:
+                    return index
+        return len(timeline)  # still kept at the end: held throughout
+
+    out = []
+    for gone in (len(timeline), gone_from(alive_input, True), gone_from(alive, False)):
+        base = start - (input_bytes if gone <= k0 else 0)
+        best = base
+        for k in range(k0, len(timeline)):
+            best = max(best, timeline[k][2] - (input_bytes if k >= gone else 0))
+        out.append(best - base)
+    return out[0], out[1], out[2]
 
 
 def forward_flops(module: nn.Module, x: torch.Tensor, static_inputs: Iterable[torch.Tensor] = ()) -> int:
