@@ -170,6 +170,7 @@ def test_scratch_and_workspace_fold_into_the_cost_model():
     assert list(costs.f) == [int(v) + 3000 for v in base.f]
     assert list(costs.b) == [int(v) + 5000 for v in base.b]
     assert list(costs.bk) == [int(v) + 5000 for v in base.bk]
+    assert list(costs.bf) == [int(v) + 5000 for v in base.bf]
     assert list(costs.fs) == [int(v) + 3000 if v > 0 else 0 for v in base.fs]
     # every plan's peak rises by the workspace and at most the larger scratch, at least by the workspace
     for plan in all_plans(tm.n):

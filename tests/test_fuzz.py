@@ -452,8 +452,8 @@ def test_regression_input_used_twice_after_recomputation():
 # checkpointed segment only the checkpoint's frame holds it, until the layer's last saved tensor
 # is released (bk); after a checkpointed segment, unwrapped, nothing else holds it (bf). Taking b
 # for both over-predicted the plans of checkpointed segment [1] by 80 B and changed 16 of the 32
-# plans' predictions; the stored-segment plans check the third case (the previous segment keeps
-# the input: b).
+# plans' predictions (all 32, and the 243 plans with stored segments, measured exact once); the
+# stored-segment plans here check the third case (the previous segment keeps the input: b).
 REGRESSION_WHO_HOLDS_THE_FIRST_INPUT = Spec(family='conv', dtype='float32', batch=1, shape=(1, 8, 8),
     nodes=(Node(op='conv3', inputs=(0,), width=8, inplace='relu_'),
     Node(op='maxpool', inputs=(1,), width=0, inplace=''),
@@ -465,8 +465,6 @@ REGRESSION_WHO_HOLDS_THE_FIRST_INPUT = Spec(family='conv', dtype='float32', batc
 
 
 def test_regression_who_holds_a_segments_input_during_its_first_backward():
-    import itertools
-
     from ckptopt import ChainCosts, Plan
 
     model, x = build(REGRESSION_WHO_HOLDS_THE_FIRST_INPUT)
@@ -479,9 +477,9 @@ def test_regression_who_holds_a_segments_input_during_its_first_backward():
     held_throughout = ChainCosts.from_dict(d)
     assert simulate(held_throughout, (1,)).peak_bytes > simulate(c, (1,)).peak_bytes  # bf decides
     assert simulate(held_throughout, (1, 2)).peak_bytes > simulate(c, (1, 2)).peak_bytes  # bk decides
-    # every plan with a segment starting at layer 1, the first segment checkpointed or stored
-    plans = [((1,) + rest, stored) for k in range(tm.n - 1) for rest in itertools.combinations(range(2, tm.n), k)
-             for stored in ((), (0,))]
+    # a segment starting at layer 1, unwrapped or checkpointed, after a checkpointed or a stored
+    # segment (which keeps the input: layer 0 saves its output), and no checkpointing
+    plans = [((), ())] + [(cps, stored) for cps in ((1,), (1, 2), (1, 3)) for stored in ((), (0,))]
     wrong = {}
     for cps, stored in plans:
         opt = apply_plan(model, tm, Plan(cps, simulate(c, cps, stored).peak_bytes, "given", 0.0, tm.n, stored))
@@ -491,4 +489,25 @@ def test_regression_who_holds_a_segments_input_during_its_first_backward():
             opt.remove_hooks()
         if gap != LOSS_BYTES:
             wrong[(cps, stored)] = gap
-    assert not wrong and len(plans) == 32, wrong
+    assert not wrong, wrong
+
+
+# Found by benchmarks/exactness_fuzz.py (measured minus predicted on random models): under-
+# predicted by 740-792 B on five plans. The concatenation of the model input and layer 0's
+# output is a layer of its own; its backward hands layer 0 a slice of its output gradient, a
+# view that keeps the whole concatenated gradient alive through layer 0's backward. The tracer
+# records the storage each output gradient lives in (ChainCosts.g) and the model counts it.
+REGRESSION_GRADIENT_IS_A_SLICE = Spec(family='conv', dtype='float32', batch=3, shape=(2, 8, 8),
+    nodes=(Node(op='conv3', inputs=(0,), width=1, inplace='relu_'),
+    Node(op='cat', inputs=(0, 1), width=0, inplace='')),
+    classes=1, input_requires_grad=False, dropout_p=0.3)
+
+
+def test_regression_a_gradient_that_is_a_slice_keeps_its_whole_storage():
+    import itertools
+
+    model, x = build(REGRESSION_GRADIENT_IS_A_SLICE)
+    model.train()
+    tm = trace(model, (x,))
+    assert tm.costs.g[0] == tm.costs.a[1] > tm.costs.a[0]  # layer 0's gradient lives in the cat's
+    _assert_exact(model, x, tm, [cps for k in range(tm.n) for cps in itertools.combinations(range(1, tm.n), k)])

@@ -33,6 +33,10 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            ``b[i]`` is measured as inside a segment (the input held iff layer ``i-1``
            saves its output), so it is ``bf[i]`` already where layer ``i-1`` saves
            nothing, and ``bf`` is read only where it does. Default: ``b[i]``
+``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
+           backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
+           larger tensor (a concatenation's backward hands out slices of its output
+           gradient), which stays alive whole. Default: ``a[i]``
 ``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
            counts (a static model input, a parameter): a checkpointed segment holding it
            keeps its checkpoint, and its backward triggers the recomputation. Default: False
@@ -277,6 +281,7 @@ class ChainCosts:
         dead: Sequence[bool] | None = None,
         bk: Sequence[int] | None = None,
         bf: Sequence[int] | None = None,
+        g: Sequence[int] | None = None,
         holds: Sequence[bool] | None = None,
         cb: Sequence[int] | None = None,
         unit: str = "flops",
@@ -292,6 +297,8 @@ class ChainCosts:
             values["bk"] = bk
         if bf is not None:
             values["bf"] = bf
+        if g is not None:
+            values["g"] = g
         if holds is not None:
             values["holds"] = holds
         self._init("full", values, static, names, c, cb, unit)
@@ -304,6 +311,8 @@ class ChainCosts:
         for given, name in ((bk, "bk"), (bf, "bf")):
             if given is None:
                 self._fields[name] = self._fields["b"]
+        if g is None:
+            self._fields["g"] = self._fields["a"]
         for flag, given in (("dead", dead), ("holds", holds)):
             if given is None:
                 z = np.zeros(self.n, dtype=np.int64)
@@ -426,7 +435,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "holds"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "g", "holds"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -436,7 +445,7 @@ class ChainCosts:
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
-                       bk=layers.get("bk"), bf=layers.get("bf"), c=compute, cb=data.get("backward_compute"), unit=unit)
+                       bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit)
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -569,7 +578,8 @@ class ChainCosts:
         k = ((sout > 0) | (nxt_sin > 0)).astype(np.int64)
         h = m + a * k
         P = np.concatenate([[0], np.cumsum(h)])
-        qb = m + a * sout + a + b + G
+        g = self._fields["g"]  # the output gradient's storage
+        qb = m + a * sout + g + b + G
         a_prev = np.concatenate([[0], a[:-1]])
         k_prev = np.concatenate([[0], k[:-1]])
         qf = a_prev * (1 - k_prev) + f
@@ -579,9 +589,9 @@ class ChainCosts:
         saves = (sout > 0) | (m > 0) | (sin > 0) | (self._fields["holds"] > 0)
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
-        rg = self._fields["rg"]
+        rg = self._fields["rg"] + g - a  # (measured with an a-byte output gradient)
         j = np.maximum.accumulate(np.where(saves, np.arange(n), -1))  # last saving layer <= r
-        rb = np.where(j >= 0, G[j] + rg[j], G + a)
+        rb = np.where(j >= 0, G[j] + rg[j], G + g)
         ext = saves | (self._fields["dead"] > 0)
         qbk = qb - b + self._fields["bk"]
         sout_prev = np.concatenate([[0], sout[:-1]])

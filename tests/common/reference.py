@@ -44,6 +44,7 @@ def _full(c, checkpoints, stored):
     b = [int(x) for x in c.b]
     bk = [int(x) for x in c.bk]  # b with the input held through the backward
     bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
+    g = [int(x) for x in c.g]  # the storage a layer's output gradient lives in (a view of a larger one)
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
     rg = [int(x) for x in c.rg]
@@ -54,10 +55,12 @@ def _full(c, checkpoints, stored):
     size = {}
     for t in range(n):
         size[f"x{t}"] = a[t]
-        size[f"g{t}"] = a[t]
+        size[f"g{t}"] = g[t]
         size[f"m{t}"] = m[t]
         size[f"gp{t}"] = p[t]
-        size[f"r{t}"] = rg[t]  # gradients held when layer t's backward first reads a saved tensor
+        # gradients held when layer t's backward first reads a saved tensor (rg is measured with
+        # an a-byte output gradient)
+        size[f"r{t}"] = rg[t] + g[t] - a[t]
     size["x-1"] = 0  # the model input lives in the static bytes
 
     def saved(i):
@@ -133,7 +136,9 @@ def _full(c, checkpoints, stored):
             # (unless the layer computes before packing its input: a dead op ahead of it).
             events = []
             for i in range(l, r + 1):
-                if sin[i]:  # packed before the layer computes, unless work precedes it (fs > 0)
+                # an input, or a static tensor it keeps (holds), is packed before the layer
+                # computes, unless work precedes it (fs > 0)
+                if sin[i] or holds[i]:
                     events.append((i, 1 if fs[i] > 0 else 0))
                 if sout[i] or m[i] > 0:
                     events.append((i, 1))

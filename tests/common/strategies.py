@@ -22,11 +22,14 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     dead = draw(st.one_of(st.none(), flags))
     bk = draw(st.one_of(st.none(), ints))
     bf = draw(st.one_of(st.none(), ints))
+    a = draw(ints)
+    g = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n).map(
+        lambda extra: [x + e for x, e in zip(a, extra)])))  # a view of a larger gradient
     holds = draw(st.one_of(st.none(), flags))
     return ChainCosts(
-        a=draw(ints), p=draw(zero_or), sin=draw(flags), sout=draw(flags),
+        a=a, p=draw(zero_or), sin=draw(flags), sout=draw(flags),
         m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, bf=bf, holds=holds,
+        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds,
     )
 
 

@@ -320,6 +320,15 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 forward_flops(loss_layer, y)))
 
+    # the storage each layer's output gradient lives in: a view of a larger tensor when the next
+    # layer's backward hands out a slice (a concatenation's), kept whole while the layer runs
+    grad_store = [l.costs.a for l in layers]
+    for i in range(len(layers) - 1, 0, -1):
+        m = layers[i].costs
+        if m.gin_is_out:
+            grad_store[i - 1] = max(grad_store[i - 1], grad_store[i])
+        elif m.gin is not None:
+            grad_store[i - 1] = max(grad_store[i - 1], m.gin)
     # parameter bytes are charged to the last layer that uses them (tied weights once)
     fake_params = {id(p): p for p in fake_gm.parameters()}
     p_bytes = [0] * len(layers)
@@ -339,6 +348,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
         bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
         bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
+        g=grad_store,
         dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ class LayerMeasurement:
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
+    gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
+    gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
     holds: bool = False
 
     @property
@@ -63,12 +65,19 @@ class _FreshInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, holder):
+    def forward(ctx, anchor, holder, record):
+        ctx.record = record
         return holder.pop()
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None
+        # the storage the input gradient lives in: a view of the output gradient (a
+        # concatenation's backward hands out slices of it) keeps all of that storage alive
+        s = grad.untyped_storage()
+        out = ctx.record.get("out")
+        ctx.record["in_bytes"] = s.nbytes()
+        ctx.record["in_is_out"] = out is not None and out() is s
+        return None, None, None
 
 
 class InjectGrad(torch.autograd.Function):
@@ -303,11 +312,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         casts = _autocast_weight_casts(module, example_input, static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         holder = [example_input.detach().clone()]
+        record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
         if input_requires_grad and leaf_input:
             x = holder.pop().requires_grad_(True)
         elif input_requires_grad:
             anchor = torch.empty(0, device=dev, requires_grad=True)
-            x = _FreshInput.apply(anchor, holder)
+            x = _FreshInput.apply(anchor, holder, record)
         else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
             x = holder.pop()
         x_ptr = storage_key(x.untyped_storage())
@@ -375,7 +385,6 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 ys = real_storage(y, fake)
                 y_ptr = storage_key(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
-                record: dict[str, int] = {}
                 end = InjectGrad.apply(y, record)
                 if grads_exist:
                     # A later layer's gradient for these weights reaches their AccumulateGrad
@@ -413,6 +422,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         b=int(peaks[0 if keep_input else 1] - record.get("grad_bytes", 0) - pending),
         bf=int(peaks[1] - record.get("grad_bytes", 0) - pending),
         bk=int(peaks[2] - record.get("grad_bytes", 0) - pending),
+        gin=record.get("in_bytes"),
+        gin_is_out=bool(record.get("in_is_out", False)),
         rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
