@@ -496,7 +496,10 @@ def test_regression_who_holds_a_segments_input_during_its_first_backward():
 # predicted by 740-792 B on five plans. The concatenation of the model input and layer 0's
 # output is a layer of its own; its backward hands layer 0 a slice of its output gradient, a
 # view that keeps the whole concatenated gradient alive through layer 0's backward. The tracer
-# records the storage each output gradient lives in (ChainCosts.g) and the model counts it.
+# records the storage each output gradient lives in (ChainCosts.g) and the model counts it. Two
+# plans ((2, 4), (1, 2, 4)) were over-predicted by 804 B: segment [2, 3] holds its input (the
+# concatenation) through its checkpoint's frame, which goes with the segment's last saved tensor
+# (layer 3's), so layer 2, which saves nothing, runs its backward without it.
 REGRESSION_GRADIENT_IS_A_SLICE = Spec(family='conv', dtype='float32', batch=3, shape=(2, 8, 8),
     nodes=(Node(op='conv3', inputs=(0,), width=1, inplace='relu_'),
     Node(op='cat', inputs=(0, 1), width=0, inplace='')),

@@ -171,6 +171,11 @@ def _full(c, checkpoints, stored):
             held.discard(f"g{i}")
             if i > l:
                 held.add(f"g{i - 1}")
+            # a checkpoint's frame (holding x{l-1}) goes with the segment's last saved tensor,
+            # released by the backward of its first layer that saves one
+            first_saving = next((j for j in range(l, r + 1) if saves_anything(j)), None)
+            if not unwrapped[k] and k and i == first_saving and f"x{l - 1}" not in kept_before(k):
+                held.discard(f"x{l - 1}")
         if k:
             ckpt.discard(f"x{l - 1}")
     return c.static + peak

@@ -9,11 +9,12 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 
 * backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
   ``qb[i]`` alone for the trailing layers after its last saving layer (their
-  backward reads no saved tensor, so it runs before the recomputation), and
-  and, when the previous segment does not keep the segment's input, ``qbk`` for
-  its first layer (the checkpoint's frame holds the input while the layer's
-  saved tensors live); in an unwrapped segment ``qbf`` for that layer instead
-  (nothing else holds its input once its backward has read it);
+  backward reads no saved tensor, so it runs before the recomputation). When the
+  previous segment does not keep the segment's input: ``qbk`` for its first layer
+  (the checkpoint's frame holds the input while the layer's saved tensors live),
+  and the layers before its first saving layer without the checkpoint (the frame
+  goes with the segment's last saved tensor); in an unwrapped segment ``qbf`` for
+  its first layer (nothing else holds its input once its backward has read it);
 * forward at i (wrapped segment): ``f[l]`` at ``i = l``, ``fw[i]`` after;
 * recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])`` for ``i``
   up to the last layer the recomputation runs (:func:`recompute_span`), which
@@ -133,11 +134,21 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
                     v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
                 if v > best:
                     best, phase, layer = v, 1, i
+    # A checkpoint's frame, which holds the segment's input, goes once the segment's last saved
+    # tensor is released: the layers before its first saving layer run their backward without it.
+    freed_before = l
+    if full and not unwrapped and l > 0 and not prev_keeps:
+        for i in range(l, r + 1):
+            if K.saves[i] != 0:
+                freed_before = i
+                break
     for i in range(r, l - 1, -1):
         q = K.qb[i]
         if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
             q = K.qbf[i] if unwrapped else K.qbk[i]  # nothing does, or the checkpoint's frame
         v = K.P[i] - Pl + q if i <= trigger else q
+        if i < freed_before:
+            v -= K.ck[l]
         if v > best:
             best, phase, layer = v, 2, i
     return best, phase, layer

@@ -78,17 +78,24 @@ def _recompute(l: int, r: int, end: int, partial: bool, K: KernelArrays) -> list
 
 
 def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
-              held_input: bool = False, free_input: bool = False) -> list[tuple[str, int, int]]:
+              held_input: bool = False, free_input: bool = False, drop: int = 0) -> list[tuple[str, int, int]]:
     """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
     segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation);
     ``held_input``: only the checkpoint's frame holds layer ``l``'s input (``qbk``);
-    ``free_input``: nothing but layer ``l`` holds it (``qbf``)."""
+    ``free_input``: nothing but layer ``l`` holds it (``qbf``); ``drop``: the checkpoint the
+    layers before the first saving one run their backward without (its frame is gone)."""
     after = r if after is None else after
     out = []
     for i in range(r, l - 1, -1):
         q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
-        out.append(("backward", i, int(K.P[i] - K.P[l]) + q if i <= after else q))
+        v = int(K.P[i] - K.P[l]) + q if i <= after else q
+        out.append(("backward", i, v - (drop if drop and i < _first_saving(l, r, K) else 0)))
     return out
+
+
+def _first_saving(l: int, r: int, K: KernelArrays) -> int:
+    """The segment's first layer that saves a tensor (``r + 1`` if none)."""
+    return next((i for i in range(l, r + 1) if K.saves[i]), r + 1)
 
 
 def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int] = ()) -> list[TimelineEvent]:
@@ -140,6 +147,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
     m = len(segs)
     held = []
     kept_in = []  # the previous segment is stored and keeps this one's input
+    own = []  # the checkpoint each segment holds itself
     forward: list[TimelineEvent] = []
     total = 0
     prev_keeps = False
@@ -149,6 +157,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         total += c
         held.append(total)
         kept_in.append(prev_keeps)
+        own.append(c)
         if full:
             live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
             base = costs.static + total
@@ -163,7 +172,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         base = costs.static + held[k]
         if full and k < m - 1 and l not in kept:  # trailing layers that save nothing, the recomputation, the rest
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
-            trail = _backward(l, r, K, after=trigger, held_input=l > 0 and not kept_in[k])
+            frame = l > 0 and not kept_in[k]
+            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k])
             events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
             events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])

@@ -31,7 +31,9 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     keeps the segment's input (then the first layer's backward takes ``qb``), 0
     otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does):
 
-    * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1);
+    * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1); with flag 0
+      the layers before its first saving layer run their backward without the
+      checkpoint it holds (the frame goes with the segment's last saved tensor);
     * ``Ds0[r]``, ``Ds1[r]``: peak of the segment run unwrapped (the last
       segment, or a stored one): its forward keeps what it saves, no recomputation;
     * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
@@ -43,7 +45,9 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     first = l > 0  # the first layer's input may be held by the previous segment or not
     bwd1 = NEG  # backward terms, running max: the input held by the previous segment ...
     bwd0 = NEG  # ... or not, unwrapped (qbf) ...
-    bwdc = NEG  # ... or not, checkpointed (qbk)
+    pre_c = NEG  # ... or not, checkpointed (qbk): before the first saving layer, which run their
+    post_c = NEG  # backward without the checkpoint (its frame goes with the last saved tensor), and from it
+    drop = K.ck[l] if full and first else 0  # what they run without
     bwd_j0 = NEG  # checkpointed: backward terms up to the last saving layer (with the saves) ...
     bwd_j1 = NEG
     tail0 = NEG  # ... and after it (without: they run before the recomputation)
@@ -63,11 +67,14 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
             bwd1 = v
         if v0 > bwd0:
             bwd0 = v0
-        if vc > bwdc:
-            bwdc = vc
+        if K.saves[r] != 0 or seg_saves:
+            if vc > post_c:
+                post_c = vc
+        elif vc > pre_c:
+            pre_c = vc
         if K.saves[r] != 0:
             seg_saves = True
-            bwd_j0 = bwdc
+            bwd_j0 = post_c if post_c > pre_c - drop else pre_c - drop
             bwd_j1 = bwd1
             tail0 = NEG
             tail1 = NEG
@@ -110,7 +117,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
         else:
             Ds1[r] = bwd1
             Ds0[r] = bwd0
-            Dc0[r] = bwdc
+            Dc0[r] = post_c if post_c > pre_c else pre_c
             Dc1[r] = bwd1
             e = r
         if l == 0:
