@@ -507,10 +507,9 @@ REGRESSION_GRADIENT_IS_A_SLICE = Spec(family='conv', dtype='float32', batch=3, s
 
 
 def test_regression_a_gradient_that_is_a_slice_keeps_its_whole_storage():
-    import itertools
-
     model, x = build(REGRESSION_GRADIENT_IS_A_SLICE)
     model.train()
     tm = trace(model, (x,))
     assert tm.costs.g[0] == tm.costs.a[1] > tm.costs.a[0]  # layer 0's gradient lives in the cat's
-    _assert_exact(model, x, tm, [cps for k in range(tm.n) for cps in itertools.combinations(range(1, tm.n), k)])
+    # of the 16 plans (all measured exact once): the under- and the over-predicted ones, and the optimum
+    _assert_exact(model, x, tm, [(), (1,), (4,), (2, 4), (1, 3), solve(tm.costs, "dp2").checkpoints])

@@ -1,6 +1,7 @@
 """Every solver against the brute-force oracle, the simulator and hand cases."""
 
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -235,3 +236,26 @@ def test_solvers_do_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_stale_numba_caches_are_dropped_when_a_compiled_source_changes(tmp_path):
+    """numba keys a cache by the caller's own file only: a changed callee must clear them all."""
+    import shutil
+
+    from ckptopt.simulator import kernels
+
+    src = Path(kernels.__file__).resolve().parent.parent
+    for rel in kernels.COMPILED_SOURCES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, tmp_path / rel)
+    cache = tmp_path / "solvers" / "__pycache__"
+    cache.mkdir()
+    (cache / "exact.dp_cubic-1.py311.nbi").write_text("stale")
+    assert kernels.drop_stale_caches(tmp_path)  # no stamp yet: dropped
+    assert not list(cache.glob("*.nbi"))
+    (cache / "exact.dp_cubic-1.py311.nbi").write_text("fresh")
+    assert not kernels.drop_stale_caches(tmp_path)  # sources unchanged: kept
+    assert list(cache.glob("*.nbi"))
+    with open(tmp_path / "simulator" / "kernels.py", "a") as fh:
+        fh.write("\n# changed\n")
+    assert kernels.drop_stale_caches(tmp_path) and not list(cache.glob("*.nbi"))

@@ -30,6 +30,9 @@ then adds it (``live_in``). Phase codes: 0 forward, 1 recompute, 2 backward.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
@@ -37,6 +40,42 @@ from ..costs import KernelArrays
 
 __all__ = ["NEG", "BIG", "held_checkpoint", "recompute_span", "segment_peak", "simulate_plan",
            "plan_recompute", "warmup"]
+
+#: The files whose kernels numba caches on disk (``cache=True``); they call each other.
+COMPILED_SOURCES = ("simulator/kernels.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
+                    "solvers/linear.py", "solvers/baselines.py")
+
+
+def drop_stale_caches(root: Path = Path(__file__).resolve().parent.parent) -> bool:
+    """Delete numba's on-disk caches of the compiled kernels when any of their sources changed.
+
+    numba keys a cached function by its own file's timestamp only, so a kernel that
+    calls one in another file (the solvers call :func:`segment_peak`) keeps stale
+    machine code when only the callee's file changed (seen in a checkout: ``dp`` and
+    ``brute`` disagreed until the cache was deleted). A stamp of all the sources in
+    ``simulator/__pycache__`` tells. Returns whether caches were deleted.
+    """
+    digest = hashlib.sha1()
+    for rel in COMPILED_SOURCES:
+        try:
+            digest.update((root / rel).read_bytes())
+        except OSError:
+            return False
+    stamp = root / "simulator" / "__pycache__" / "ckptopt_kernels.stamp"
+    try:
+        if stamp.exists() and stamp.read_text() == digest.hexdigest():
+            return False
+        for folder in {(root / rel).parent / "__pycache__" for rel in COMPILED_SOURCES}:
+            for f in list(folder.glob("*.nbi")) + list(folder.glob("*.nbc")):
+                f.unlink(missing_ok=True)
+        stamp.parent.mkdir(exist_ok=True)
+        stamp.write_text(digest.hexdigest())
+    except OSError:  # a read-only install: numba then does not cache there either
+        return False
+    return True
+
+
+drop_stale_caches()
 
 NEG = -(1 << 62)
 BIG = 1 << 62
