@@ -20,7 +20,7 @@ Design note (``docs/design.md`` §6):
 * BatchNorm would update its running statistics twice (once more during the
   recomputation). A forward pre-hook detects recomputation
   (``torch._C._current_graph_task_id() != -1``: the forward runs inside a
-  backward), sets ``momentum`` to 0 and remembers ``num_batches_tracked``;
+  backward), sets ``momentum`` to 0 and takes back the count ``num_batches_tracked`` gains;
   a forward hook restores both, and so does a callback queued on the
   autograd engine, because the recomputation can stop inside BatchNorm
   (when its statistics are the segment's last saved tensors) before any
@@ -78,21 +78,24 @@ def _graph_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
 def _bn_restore(module: nn.Module) -> None:
     stack = module.__dict__.get("_ckptopt_saved")
     if stack:
-        momentum, nbt = stack.pop()
+        momentum, counted = stack.pop()
         module.momentum = momentum
-        if nbt is not None:
+        if counted:  # the recomputed forward counted the batch once more: take it back
             with torch.no_grad():
-                module.num_batches_tracked.copy_(nbt)
+                module.num_batches_tracked.sub_(1)
 
 
 def _bn_pre_hook(module: nn.Module, args):
     if module.training and torch._C._current_graph_task_id() != -1:
         # recomputation inside backward: do not update the running statistics again
         stack = module.__dict__.setdefault("_ckptopt_saved", [])
-        nbt = module.num_batches_tracked
-        # a tensor copy, not .item(): works on fake tensors too (num_batches_tracked is not
-        # saved by BatchNorm's backward, so restoring it in place is safe)
-        stack.append((module.momentum, None if nbt is None else nbt.detach().clone()))
+        # BatchNorm's forward adds 1 to num_batches_tracked before it computes (so before any
+        # tensor it saves, where a recomputation may stop); restoring subtracts it in place:
+        # no copy, which would be memory the cost model does not count (8 B while the layer is
+        # recomputed; benchmarks/exactness_fuzz.py), and it works on fake tensors too
+        # (num_batches_tracked is not saved by BatchNorm's backward)
+        counted = module.num_batches_tracked is not None and getattr(module, "track_running_stats", True)
+        stack.append((module.momentum, counted))
         module.momentum = 0.0
         # The recomputation may stop inside this module's forward (non-reentrant checkpoint
         # stops once the segment's last saved tensor is rebuilt, e.g. BatchNorm's statistics
