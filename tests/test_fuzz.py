@@ -513,3 +513,20 @@ def test_regression_a_gradient_that_is_a_slice_keeps_its_whole_storage():
     assert tm.costs.g[0] == tm.costs.a[1] > tm.costs.a[0]  # layer 0's gradient lives in the cat's
     # of the 16 plans (all measured exact once): the under- and the over-predicted ones, and the optimum
     _assert_exact(model, x, tm, [(), (1,), (4,), (2, 4), (1, 3), solve(tm.costs, "dp2").checkpoints])
+
+
+# Found by benchmarks/exactness_fuzz.py: 16 B over the prediction (8 B beyond the loss) while
+# a checkpointed BatchNorm is recomputed. The rewriter kept a copy of num_batches_tracked to
+# undo the recomputation's extra count; it now subtracts the count in place (no memory).
+REGRESSION_RECOMPUTED_BATCHNORM = Spec(family='mlp', dtype='float32', batch=4, shape=(24,),
+    nodes=(Node(op='bn', inputs=(0,), width=0, inplace=''), Node(op='mul', inputs=(1, 0), width=0, inplace='')),
+    classes=3, input_requires_grad=False, dropout_p=0.3)
+
+
+def test_regression_recomputing_batchnorm_allocates_nothing_beyond_the_model():
+    model, x = build(REGRESSION_RECOMPUTED_BATCHNORM, seed=127382995)
+    model.train()
+    tm = trace(model, (x,))
+    assert simulate(tm.costs, (1,)).phase == "recompute"  # the peak is the BatchNorm's recomputation
+    _assert_exact(model, x, tm, [(1,), (1, 2)])
+    check_random_model(REGRESSION_RECOMPUTED_BATCHNORM)  # and the running statistics stay right
