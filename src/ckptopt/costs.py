@@ -313,6 +313,13 @@ class ChainCosts:
                 self._fields[name] = self._fields["b"]
         if g is None:
             self._fields["g"] = self._fields["a"]
+        small = np.flatnonzero(self._fields["g"] < self._fields["a"])
+        if small.size:
+            i = int(small[0])
+            raise InvalidCosts(
+                f"field 'g' index {i}: {int(self._fields['g'][i])} is smaller than the output it is the gradient of "
+                f"(a = {int(self._fields['a'][i])}); g is the storage the gradient lives in, at least a "
+                "(leave g out when gradients are plain tensors)", field="g", index=i)
         for flag, given in (("dead", dead), ("holds", holds)):
             if given is None:
                 z = np.zeros(self.n, dtype=np.int64)
