@@ -109,6 +109,7 @@ def _full(c, checkpoints, stored):
         # is stored and its last layer saves its output; otherwise only by the checkpoint's frame
         # while the layer's saved tensors live (bk), or by nothing else when unwrapped (bf)
         prev_keeps = k > 0 and unwrapped[k - 1] and sout[l - 1]
+        first_saving = next((j for j in range(l, r + 1) if saves_anything(j)), None)
         if l == 0 or prev_keeps:
             b_first = b[l]
         elif unwrapped[k]:
@@ -173,7 +174,6 @@ def _full(c, checkpoints, stored):
                 held.add(f"g{i - 1}")
             # a checkpoint's frame (holding x{l-1}) goes with the segment's last saved tensor,
             # released by the backward of its first layer that saves one
-            first_saving = next((j for j in range(l, r + 1) if saves_anything(j)), None)
             if not unwrapped[k] and k and i == first_saving and f"x{l - 1}" not in kept_before(k):
                 held.discard(f"x{l - 1}")
         if k:

@@ -38,7 +38,7 @@ from numba import njit
 
 from ..costs import KernelArrays
 
-__all__ = ["NEG", "BIG", "held_checkpoint", "recompute_span", "segment_peak", "simulate_plan",
+__all__ = ["NEG", "BIG", "first_saving", "held_checkpoint", "recompute_span", "segment_peak", "simulate_plan",
            "plan_recompute", "warmup"]
 
 #: The files whose kernels numba caches on disk (``cache=True``); they call each other.
@@ -82,6 +82,19 @@ BIG = 1 << 62
 
 
 @njit(cache=True)
+def first_saving(l, r, K):
+    """The first layer of ``[l, r]`` that saves a tensor (``r + 1`` if none). O(r - l).
+
+    Its backward releases the segment's last saved tensor, and with it the frame that
+    holds a checkpointed segment's input.
+    """
+    for i in range(l, r + 1):
+        if K.saves[i] != 0:
+            return i
+    return r + 1
+
+
+@njit(cache=True)
 def held_checkpoint(l, r, unwrapped, full, K):
     """Bytes segment ``[l, r]`` holds as its checkpoint (0 for the first segment). O(r - l).
 
@@ -95,10 +108,7 @@ def held_checkpoint(l, r, unwrapped, full, K):
         return K.ck[l]
     if unwrapped:
         return K.ck[l] if K.sin[l] != 0 else 0
-    for i in range(l, r + 1):
-        if K.saves[i] != 0:
-            return K.ck[l]
-    return 0
+    return K.ck[l] if first_saving(l, r, K) <= r else 0
 
 
 @njit(cache=True)
@@ -177,10 +187,9 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     # tensor is released: the layers before its first saving layer run their backward without it.
     freed_before = l
     if full and not unwrapped and l > 0 and not prev_keeps:
-        for i in range(l, r + 1):
-            if K.saves[i] != 0:
-                freed_before = i
-                break
+        freed_before = first_saving(l, r, K)
+        if freed_before > r:  # it saves nothing: it holds no checkpoint
+            freed_before = l
     for i in range(r, l - 1, -1):
         q = K.qb[i]
         if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
@@ -271,6 +280,7 @@ def warmup() -> None:
     for full in (True, False):
         for unwrapped in (True, False):
             held_checkpoint(1, n - 1, unwrapped, full, K)
+            first_saving(0, n - 1, K)
             segment_peak(0, n - 1, unwrapped, full, K, 0, False)
         recompute_span(0, n - 1, K)
         simulate_plan(np.array([0, 2], dtype=np.int64), np.array([1, 0], dtype=np.int64), n, full, K)

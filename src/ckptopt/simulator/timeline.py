@@ -85,17 +85,13 @@ def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
     ``free_input``: nothing but layer ``l`` holds it (``qbf``); ``drop``: the checkpoint the
     layers before the first saving one run their backward without (its frame is gone)."""
     after = r if after is None else after
+    freed_before = int(kernels.first_saving(l, r, K)) if drop else l
     out = []
     for i in range(r, l - 1, -1):
         q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
         v = int(K.P[i] - K.P[l]) + q if i <= after else q
-        out.append(("backward", i, v - (drop if drop and i < _first_saving(l, r, K) else 0)))
+        out.append(("backward", i, v - (drop if i < freed_before else 0)))
     return out
-
-
-def _first_saving(l: int, r: int, K: KernelArrays) -> int:
-    """The segment's first layer that saves a tensor (``r + 1`` if none)."""
-    return next((i for i in range(l, r + 1) if K.saves[i]), r + 1)
 
 
 def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int] = ()) -> list[TimelineEvent]:
