@@ -177,6 +177,8 @@ class BatchCosts:
                 d["layers"][k] = v
             else:
                 d["layers"][k] = [max(0, i + s * batch) for i, s in zip(icpt["layers"][k], slope["layers"][k])]
+        if "g" in d["layers"]:  # a gradient's storage holds the gradient: fitted apart, they may cross
+            d["layers"]["g"] = [max(g, a) for g, a in zip(d["layers"]["g"], d["layers"]["a"])]
         return ChainCosts.from_dict(d)
 
     def costs(self, batch: int, trace: bool = False) -> ChainCosts:
