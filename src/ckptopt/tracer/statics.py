@@ -73,39 +73,104 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
                   values: dict[fx.Node, Any]) -> tuple[list[list[fx.Node]], list[fx.Node]]:
     """Where each static op node runs: ``(groups, hoisted)``.
 
-    A static node whose value reaches (directly or through other static nodes) one layer only
+    A static value that reaches (directly or through other static nodes) one layer only
     moves into that layer, where the unmodified model computes it too (position ids read by
     one embedding, labels shifted for the loss): the layer's measurement counts it. One that
     reaches several layers (an attention mask read by every block) is hoisted: computed once
-    before the first layer, counted as static bytes for the step. Static nodes that reach
-    no layer (assertions on static values) go with the hoisted nodes they check, or stay.
+    before the first layer, counted as static bytes for the step.
+
+    Static nodes that share a storage (a value, its views and the in-place ops that fill it:
+    ``new_zeros`` then ``copy_`` into a slice of it, as labels are shifted into decoder
+    inputs) move together, so that every write precedes every read; a static node that
+    reaches no layer (an assertion on a static value) runs where the last of its inputs
+    runs. Each static node thus runs after its static inputs, wherever they went.
     In graph order.
     """
     group_of = {n: j for j, members in enumerate(groups) for n in members}
     last = len(groups) - 1
-    reach: dict[fx.Node, set[int]] = {}
-    for members in reversed(groups):  # reverse graph order: users first
-        for n in reversed(members):
-            if n not in static:
-                continue
-            out: set[int] = set()
-            for u in n.users:
-                out |= reach.get(u, set()) if u in static and u in group_of else {group_of.get(u, last)}
-            reach[n] = out
-    hoisted = {n for n, r in reach.items() if len(r) > 1}
-    sunk = {n: next(iter(r)) for n, r in reach.items() if len(r) == 1 and next(iter(r)) != group_of[n]}
-    for n, r in reach.items():  # checks of hoisted values only (their inputs hoisted or inputs)
-        if not r and n.all_input_nodes and all(a in hoisted or a not in group_of for a in n.all_input_nodes):
-            hoisted.add(n)
-    moved_in: dict[int, list[fx.Node]] = {}
-    for n in (n for members in groups for n in members):
-        if n in sunk and n not in hoisted:
-            moved_in.setdefault(sunk[n], []).append(n)
+    ordered = [n for members in groups for n in members]
+    # clusters of static op nodes over one storage (union-find)
+    parent: dict[fx.Node, fx.Node] = {n: n for n in ordered if n in static}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in parent:
+        outs = tensor_leaves(values.get(n))
+        for a in n.all_input_nodes:
+            if a in parent and any(_aliases(o, t) for o in outs for t in tensor_leaves(values.get(a))):
+                parent[find(n)] = find(a)
+    members_of: dict[fx.Node, list[fx.Node]] = {}
+    for n in parent:
+        members_of.setdefault(find(n), []).append(n)
+    # the layers each cluster's value reaches: through its users outside the cluster (a static
+    # user passes on what it reaches); fixpoint, since a cluster spans several graph positions
+    reach: dict[fx.Node, set[int]] = {c: set() for c in members_of}
+    changed = True
+    while changed:
+        changed = False
+        for c, members in members_of.items():
+            out = set(reach[c])
+            for n in members:
+                for u in n.users:
+                    if u in parent:
+                        if find(u) is not c:
+                            out |= reach[find(u)]
+                    else:
+                        out.add(group_of.get(u, last))
+            if out != reach[c]:
+                reach[c] = out
+                changed = True
+    # destination per cluster: -1 hoisted, else a group index; clusters reaching no layer go
+    # where the last of their static inputs goes (in graph order, so inputs are placed first)
+    dest: dict[fx.Node, int] = {}
+    for n in ordered:
+        if n not in parent or find(n) in dest:
+            continue
+        c = find(n)
+        r = reach[c]
+        if len(r) > 1:
+            dest[c] = -1
+        elif r:
+            dest[c] = next(iter(r))
+        else:
+            inputs = [find(a) for m in members_of[c] for a in m.all_input_nodes if a in parent and find(a) is not c]
+            placed = [dest[i] for i in inputs if i in dest]
+            dest[c] = max(placed) if placed else min(group_of[m] for m in members_of[c])
+    hoisted = [n for n in ordered if n in parent and dest[find(n)] == -1]
+    moved: dict[int, list[fx.Node]] = {}
+    for n in ordered:
+        if n in parent and dest[find(n)] >= 0:
+            moved.setdefault(dest[find(n)], []).append(n)
     out_groups = []
     for j, members in enumerate(groups):
-        kept = [n for n in members if n not in hoisted and (n not in sunk or n in hoisted)]
-        out_groups.append(moved_in.get(j, []) + kept)
-    return out_groups, [n for members in groups for n in members if n in hoisted]
+        # the static nodes placed here, in graph order, then the layer's own nodes
+        out_groups.append(moved.get(j, []) + [n for n in members if n not in parent])
+    return _in_graph_order(out_groups), hoisted
+
+
+def _in_graph_order(groups: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Each group's nodes in the graph's order (moved static nodes among the layer's own)."""
+    pos: dict[fx.Node, int] = {}
+    for members in groups:
+        for n in members:
+            if n.graph is not None and n not in pos:
+                pos[n] = -1
+    if not pos:
+        return groups
+    graph = next(iter(pos)).graph
+    for k, n in enumerate(graph.nodes):
+        pos[n] = k
+    return [sorted(members, key=pos.__getitem__) for members in groups]
+
+
+def _aliases(a: Any, b: Any) -> bool:
+    import torch
+
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a is b or torch._C._is_alias_of(a, b))
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
