@@ -24,7 +24,7 @@ MAX_LINES = 800
 # -> module, the simulator scoring plans). A module may import from its own stage or earlier ones.
 STAGES = [
     ("errors", "units"),
-    ("costs", "plan"),
+    ("costs", "plan", "sides"),
     ("simulator", "timeline"),
     ("solvers",),
     ("torch_utils", "tracker"),
@@ -34,7 +34,7 @@ STAGES = [
     ("experimental", "dag", "_dag_measure"),
     ("cli", "zoo", "_models"),
 ]
-TORCH_FREE = {"errors", "units", "costs", "plan", "simulator", "timeline", "solvers", "dag"}
+TORCH_FREE = {"errors", "units", "costs", "plan", "sides", "simulator", "timeline", "solvers", "dag"}
 
 
 def _modules() -> dict[str, Path]:

@@ -46,6 +46,21 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``static`` K: parameters, buffers and the model input
 =========  =================================================================
 
+**Side tensors** (optional, full form; ``docs/design.md`` §4): tensors that cross a
+layer boundary besides the chain tensor ``x_{i-1}`` -- an encoder output every
+decoder layer reads, a position bias computed once and passed on, a skip
+connection's source, the first tower's output while the second runs. Each
+:class:`SideTensor` has its bytes, its producer layer, the later layers that
+consume it, and which of them (and the producer) save it. It is one storage held
+once, however many cuts it crosses: held by each checkpointed segment that reads
+it and saves anything (until the backward of that segment's first saving layer),
+by each unwrapped layer that saves it (until its backward), and freed when the
+last holder lets go; with no holder, after its last consumer's forward. Its
+gradient lives from the backward of its last consumer to that of its producer.
+A layer's per-layer figures do not count its side inputs and outputs (the
+simulator does), except that their gradients are in ``b`` where the layer
+creates them.
+
 Both forms take an optional ``c[i]``: the forward compute cost of layer ``i``
 (the tracer fills it with FLOPs; any non-negative integer unit works). It does
 not change a peak; the simulator reports the recomputation a plan adds in this
@@ -75,8 +90,9 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .errors import InvalidCosts
+from .sides import SideArrays, SideTensor, side_tensors
 
-__all__ = ["ChainCosts", "KernelArrays"]
+__all__ = ["ChainCosts", "KernelArrays", "SideTensor", "SideArrays"]
 
 _FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
 _ADDITIVE_FIELDS = ("w", "h", "q")
@@ -285,6 +301,7 @@ class ChainCosts:
         holds: Sequence[bool] | None = None,
         cb: Sequence[int] | None = None,
         unit: str = "flops",
+        side: Sequence[SideTensor | Mapping[str, Any]] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -325,6 +342,7 @@ class ChainCosts:
                 z = np.zeros(self.n, dtype=np.int64)
                 z.setflags(write=False)
                 self._fields[flag] = z
+        self.side = side_tensors(self.n, side)
 
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None, cb: Any = None,
@@ -420,6 +438,7 @@ class ChainCosts:
         """Build the additive form (see the module docstring). ``w[0]`` is unused."""
         self = cls.__new__(cls)
         self._init("additive", dict(w=w, h=h, q=q), static, names, c, cb, unit)
+        self.side = ()
         return self
 
     @classmethod
@@ -452,7 +471,8 @@ class ChainCosts:
         if kind == "full":
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
-                       bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit)
+                       bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
+                       side=data.get("side"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -497,6 +517,8 @@ class ChainCosts:
             out["backward_compute"] = [int(x) for x in self._cb]
         if self.unit != "flops":
             out["compute_unit"] = self.unit
+        if self.side:
+            out["side"] = [t.to_dict() for t in self.side]
         return out
 
     def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
@@ -542,12 +564,24 @@ class ChainCosts:
             and self.unit == other.unit
             and (self._cb is None) == (other._cb is None)
             and (self._cb is None or np.array_equal(self._cb, other._cb))
+            and self.side == other.side
         )
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"ChainCosts(kind={self.kind!r}, n={self.n}, static={self.static})"
+        side = f", side={len(self.side)}" if self.side else ""
+        return f"ChainCosts(kind={self.kind!r}, n={self.n}, static={self.static}{side})"
+
+    @property
+    def has_side(self) -> bool:
+        """Whether tensors besides the chain tensor cross layer boundaries (:class:`SideTensor`)."""
+        return bool(self.side)
+
+    @cached_property
+    def side_arrays(self) -> SideArrays:
+        """The side tensors as arrays for the compiled kernels (:class:`SideArrays`; built once)."""
+        return SideArrays.build(self.n, self.side)
 
     # -- derived quantities (used by the simulator and the solvers) -------------
     @cached_property
@@ -592,8 +626,15 @@ class ChainCosts:
         qf = a_prev * (1 - k_prev) + f
         fw = a_prev + f
         fs = self._fields["fs"]
-        runs = (sout > 0) | (m > 0) | (fs > 0)
-        saves = (sout > 0) | (m > 0) | (sin > 0) | (self._fields["holds"] > 0)
+        side_saves = np.zeros(n, dtype=bool)  # the layer saves a side tensor (an input, or an output it made)
+        side_out_saved = np.zeros(n, dtype=bool)
+        for t in self.side:
+            for u in t.saved_by:
+                side_saves[u] = True
+                if u == t.producer:
+                    side_out_saved[u] = True
+        runs = (sout > 0) | (m > 0) | (fs > 0) | side_out_saved
+        saves = (sout > 0) | (m > 0) | (sin > 0) | (self._fields["holds"] > 0) | side_saves
         qs = a_prev * (1 - k_prev) + fs
         keep = m + a * sout
         rg = self._fields["rg"] + g - a  # (measured with an a-byte output gradient)

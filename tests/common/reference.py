@@ -52,6 +52,15 @@ def _full(c, checkpoints, stored):
     holds = [bool(x) for x in c.holds]  # keeps a saved tensor none of sin/sout/m counts (a static input)
     sin = [bool(x) for x in c.sin]
     sout = [bool(x) for x in c.sout]
+    side = list(c.side)  # tensors crossing boundaries besides the chain tensor (s{j}, gradient sg{j})
+    side_in_saved = [False] * n  # the layer saves a side tensor it reads (packed like an input)
+    side_out_saved = [False] * n  # ... or one it computes (packed after computing it)
+    for t in side:
+        for u in t.saved_by:
+            if u == t.producer:
+                side_out_saved[u] = True
+            else:
+                side_in_saved[u] = True
     size = {}
     for t in range(n):
         size[f"x{t}"] = a[t]
@@ -62,6 +71,10 @@ def _full(c, checkpoints, stored):
         # an a-byte output gradient)
         size[f"r{t}"] = rg[t] + g[t] - a[t]
     size["x-1"] = 0  # the model input lives in the static bytes
+    for j, t in enumerate(side):
+        size[f"s{j}"] = t.bytes
+        size[f"sr{j}"] = t.bytes
+        size[f"sg{j}"] = t.grad_bytes
 
     def saved(i):
         s = {f"m{i}"}
@@ -77,13 +90,73 @@ def _full(c, checkpoints, stored):
     segs = _segments(n, checkpoints)
     last = len(segs) - 1
     unwrapped = [k == last or l in stored for k, (l, r) in enumerate(segs)]
+    seg_of = [k for k, (l, r) in enumerate(segs) for _ in range(l, r + 1)]
     peak = 0
+
+    def saves_anything(i):
+        return sin[i] or sout[i] or m[i] > 0 or holds[i] or side_in_saved[i] or side_out_saved[i]
+
+    # Side tensors (docs/design.md §4). Holders of the forward copy: a checkpointed segment that
+    # reads it and saves anything (its frame, released with the backward of its first saving
+    # layer), and every layer of an unwrapped segment that saves it (released with its backward;
+    # the producer's own checkpointed segment holds nothing: its recomputation makes a new copy).
+    # The copy lives while the forward still needs it (to its last consumer, or to the end of a
+    # checkpointed consumer segment, whose call holds its arguments), and while any holder has not
+    # let go; a release counts after the releasing layer's backward.
+    release = []  # per side tensor: the smallest releasing layer (None: never held)
+    fend = []  # the last forward layer that needs it
+    for t in side:
+        rho = []
+        for k, (l, r) in enumerate(segs):
+            if unwrapped[k]:
+                rho += [u for u in t.saved_by if l <= u <= r]
+            elif t.producer < l and any(l <= u <= r for u in t.consumers):
+                first = next((i for i in range(l, r + 1) if saves_anything(i)), None)
+                if first is not None:
+                    rho.append(first)
+        release.append(min(rho) if rho else None)
+        ku = seg_of[t.consumers[-1]]
+        lu, ru = segs[ku]
+        fend.append(ru if not unwrapped[ku] and t.producer < lu else t.consumers[-1])
+
+    def side_forward(i):
+        return {f"s{j}" for j, t in enumerate(side) if t.producer < i and (i <= fend[j] or release[j] is not None)}
+
+    def side_backward(i):
+        """Forward copies and gradients live while layer i's backward runs."""
+        live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and i >= release[j]}
+        live |= {f"sg{j}" for j, t in enumerate(side) if t.producer <= i < t.consumers[-1] and t.grad_bytes}
+        return live
+
+    def side_recompute(k, trigger, e, i):
+        """Side tensors live while layer i of segment k is recomputed (its backward started at trigger)."""
+        live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and trigger >= release[j]}
+        live |= {f"sg{j}" for j, t in enumerate(side) if t.producer < trigger < t.consumers[-1] and t.grad_bytes}
+        l, r = segs[k]
+        for j, t in enumerate(side):
+            p = t.producer
+            if not l <= p < i:
+                continue
+            # the recomputed copy lives to its last consumer the recomputation runs, or to the
+            # stop when a later segment reads it (the segment returns it), or a layer saves it
+            saved = any(p <= u <= e for u in t.saved_by)
+            if t.consumers[-1] > r or saved or t.consumers[-1] > e or i <= t.consumers[-1]:
+                live.add(f"sr{j}")
+        return live
+
+    def side_saved_after_recompute(k, e):
+        """Recomputed side tensors a layer of segment k saves: (token, first saver)."""
+        l, r = segs[k]
+        out = []
+        for j, t in enumerate(side):
+            if l <= t.producer <= e:
+                savers = [u for u in t.saved_by if t.producer <= u <= e]
+                if savers:
+                    out.append((f"sr{j}", min(savers)))
+        return out
     # ---- forward
     ckpt = set()  # checkpoints held (inputs of segments 1..k)
     kept = {}  # per unwrapped segment (a stored one or the last): the saved sets its layers keep
-
-    def saves_anything(i):
-        return sin[i] or sout[i] or m[i] > 0 or holds[i]
 
     def kept_before(k):
         return set().union(*(v for j, v in kept.items() if j < k))
@@ -96,7 +169,7 @@ def _full(c, checkpoints, stored):
         if unwrapped[k]:
             kept[k] = set()
         for i in range(l, r + 1):
-            live = ckpt | kept_before(k + 1) | {f"x{i - 1}"}  # a layer's input is live while it runs
+            live = ckpt | kept_before(k + 1) | {f"x{i - 1}"} | side_forward(i)  # a layer's input is live while it runs
             peak = max(peak, total(live) + f[i])
             if unwrapped[k]:
                 kept[k] |= saved(i)
@@ -124,7 +197,7 @@ def _full(c, checkpoints, stored):
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
             while top >= l and not saves_anything(top):
-                peak = max(peak, total(held | grads | {f"g{top}"}) + (b_first if top == l else b[top]))
+                peak = max(peak, total(held | grads | {f"g{top}"} | side_backward(top)) + (b_first if top == l else b[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -139,14 +212,17 @@ def _full(c, checkpoints, stored):
             for i in range(l, r + 1):
                 # an input, or a static tensor it keeps (holds), is packed before the layer
                 # computes, unless work precedes it (fs > 0)
-                if sin[i] or holds[i]:
+                if sin[i] or holds[i] or side_in_saved[i]:
                     events.append((i, 1 if fs[i] > 0 else 0))
-                if sout[i] or m[i] > 0:
+                if sout[i] or m[i] > 0 or side_out_saved[i]:
                     events.append((i, 1))
             # tensors packed and then dropped (a dead branch) are re-packed as well, if anything
             # triggers the recomputation at all (a tensor the segment keeps)
             dropped = [(i, 1 if fs[i] > 0 else 0) for i in range(l, r + 1) if dead[i]]
             stop = max(events + dropped) if events else None
+            # the last layer the recomputation runs (a last input pack is not run)
+            stop_layer = -1 if stop is None else (stop[0] if stop[1] == 1 else stop[0] - 1)
+            rec_side = side_saved_after_recompute(k, stop_layer) if stop is not None else []
             seg_saved = set()
             for i in range(l, r + 1):
                 if stop is None or (i, 0) == stop or i > stop[0]:
@@ -157,12 +233,15 @@ def _full(c, checkpoints, stored):
                     seg_saved.add(f"x{i - 1}")
                 # the backward of layer top started: its gradients are r{top}, not g{top}
                 live = (held - {f"g{top}"}) | grads | {f"r{top}"} | seg_saved | ({f"x{i - 1}"} if i > l else set())
+                live |= side_recompute(k, top, stop_layer, i)
                 peak = max(peak, total(live) + (fs[i] if (i, 1) == stop else f[i]))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
                 if (i, 1) == stop:
                     break
         for i in range(top, l - 1, -1):
-            live = held | grads | seg_saved | saved(i) | {f"g{i}"}
+            live = held | grads | seg_saved | saved(i) | {f"g{i}"} | side_backward(i)
+            if not unwrapped[k]:
+                live |= {tok for tok, first in rec_side if first <= i}
             peak = max(peak, total(live) + (b_first if i == l else b[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.

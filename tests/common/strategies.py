@@ -67,3 +67,36 @@ def random_full(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:
         dead=rng.integers(0, 2, n) * rng.integers(0, 2, n) if rng.integers(0, 2) else None,
         holds=rng.integers(0, 2, n) * rng.integers(0, 2, n) if rng.integers(0, 2) else None,
     )
+
+
+@st.composite
+def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
+    """Random side tensors for a chain of ``n`` layers: producer, later consumers, savers; at most
+    ``max_open`` open at any boundary (the tracer's cap)."""
+    from ckptopt.costs import SideTensor
+
+    out = []
+    opened = [0] * (n + 1)
+    for _ in range(draw(st.integers(0, max_side)) if n >= 2 else 0):
+        p = draw(st.integers(0, n - 2))
+        cons = sorted(set(draw(st.lists(st.integers(p + 1, n - 1), min_size=1, max_size=3))))
+        if any(opened[b] >= max_open for b in range(p + 1, cons[-1] + 1)):
+            continue
+        for b in range(p + 1, cons[-1] + 1):
+            opened[b] += 1
+        savers = [u for u in [p] + cons if draw(st.booleans())]
+        size = draw(st.integers(0, hi))
+        grad = draw(st.one_of(st.none(), st.just(0), st.integers(size, size + hi)))
+        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad))
+    return out
+
+
+@st.composite
+def side_costs(draw, max_n: int = 9, max_value: int = 100):
+    """A random full-form model with side tensors (docs/design.md §4)."""
+    base = draw(full_costs(max_n=max_n, max_value=max_value))
+    hi = draw(st.sampled_from([3, 20, max_value]))
+    side = draw(side_tensors(base.n, hi))
+    d = base.to_dict()
+    d["side"] = [t.to_dict() for t in side]
+    return ChainCosts.from_dict(d)

@@ -38,11 +38,11 @@ from numba import njit
 
 from ..costs import KernelArrays
 
-__all__ = ["NEG", "BIG", "first_saving", "held_checkpoint", "recompute_span", "segment_peak", "simulate_plan",
-           "plan_recompute", "warmup"]
+__all__ = ["NEG", "BIG", "first_saving", "held_checkpoint", "recompute_span", "segment_peak", "segment_peak_add",
+           "simulate_plan", "plan_recompute", "warmup"]
 
 #: The files whose kernels numba caches on disk (``cache=True``); they call each other.
-COMPILED_SOURCES = ("simulator/kernels.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
+COMPILED_SOURCES = ("simulator/kernels.py", "simulator/streams.py", "solvers/streams.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
                     "solvers/linear.py", "solvers/baselines.py")
 
 
@@ -154,23 +154,31 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     are live while its first layer runs forward. ``prev_keeps``: the previous
     segment is stored and keeps the segment's input (its last layer saves its output).
     """
+    return segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, K.a, K.a, K.a, False)
+
+
+@njit(cache=True)
+def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, badd, add):
+    """:func:`segment_peak` with, when ``add``, ``fadd[i]``, ``radd[i]`` and ``badd[i]`` added to the
+    forward, recomputation and backward terms of layer i (the side tensors live then,
+    :mod:`ckptopt.simulator.streams`)."""
     Pl = K.P[l]
     best = NEG
     phase = -1
     layer = -1
     trigger = r  # backward terms after this layer are taken without the segment's saves
     if full:
-        v = K.f[l] + live_in
+        v = K.f[l] + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
             for i in range(l + 1, r + 1):
-                v = K.P[i] - Pl + K.qf[i]
+                v = K.P[i] - Pl + K.qf[i] + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
         else:
             for i in range(l + 1, r + 1):
-                v = K.fw[i]
+                v = K.fw[i] + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
             trigger, e, partial = recompute_span(l, r, K)
@@ -181,6 +189,8 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
                     v = base + (K.fs[l] if stop else K.f[l])
                 else:
                     v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
+                if add:
+                    v += radd[i]
                 if v > best:
                     best, phase, layer = v, 1, i
     # A checkpoint's frame, which holds the segment's input, goes once the segment's last saved
@@ -197,6 +207,8 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
+        if add:
+            v += badd[i]
         if v > best:
             best, phase, layer = v, 2, i
     return best, phase, layer

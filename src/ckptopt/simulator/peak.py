@@ -18,7 +18,7 @@ import numpy as np
 from ..costs import ChainCosts
 from ..errors import InvalidPlan
 from ..plan import normalize_plan, normalize_stored, segment_bounds, stored_flags
-from . import kernels
+from . import kernels, streams
 
 __all__ = ["simulate", "SimResult", "recomputed_layers", "plan_recompute"]
 
@@ -123,7 +123,11 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     starts = np.array((0,) + plan, dtype=np.int64)
     full = not costs.is_additive
     K = costs.kernel_arrays
-    peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
+    if costs.has_side:
+        peak, phase, layer, seg = streams.simulate_plan_side(starts, keep, costs.n, K, costs.side_arrays,
+                                                             *streams.side_scratch(costs.n, len(costs.side)))
+    else:
+        peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = costs.compute_prefix
     recompute = kernels.plan_recompute(starts, keep, costs.n, full, K, cpre)
     return SimResult(int(peak) + costs.static, PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]),

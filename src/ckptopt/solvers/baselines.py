@@ -9,6 +9,7 @@ from numba import njit
 
 from ..costs import ChainCosts
 from ..errors import UnknownSolver
+from ..simulator import simulate
 from ..simulator.kernels import simulate_plan
 
 __all__ = ["none", "every", "sqrt", "uniform", "chen_greedy"]
@@ -67,7 +68,10 @@ def chen_greedy(costs: ChainCosts, ntrial: int = 6) -> tuple[int, ...]:
         starts, saved, biggest = chen_greedy_pass(sizes, int(threshold))
         plan = tuple(int(x) for x in starts)
         starts = np.array((0,) + plan, dtype=np.int64)
-        peak = simulate_plan(starts, np.zeros_like(starts), n, full, K)[0]
+        if costs.has_side:
+            peak = simulate(costs, plan).peak_bytes
+        else:
+            peak = simulate_plan(starts, np.zeros_like(starts), n, full, K)[0]
         tried.append((int(peak), plan))
         return int(saved), int(biggest)
 

@@ -77,10 +77,15 @@ def pareto_front(
     cap = BIG if max_peak is None else int(max_peak) - costs.static
     if cap < 0:
         return []
-    peaks, recs, flat, offsets, sflat, soffsets, complete = pareto_plans(
-        costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix, cap,
-        bool(allow_stored) and not costs.is_additive, int(max_work),
-    )
+    if costs.has_side:  # over (layer, flag, held side tensors) states (ckptopt.solvers.streams)
+        from .streams import front
+
+        peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work)
+    else:
+        peaks, recs, flat, offsets, sflat, soffsets, complete = pareto_plans(
+            costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix, cap,
+            bool(allow_stored) and not costs.is_additive, int(max_work),
+        )
     if not complete:
         raise FrontTooLarge(f"more than {max_work} candidate points")
     out = []

@@ -1,0 +1,200 @@
+"""Side tensors: tensors that cross layer boundaries besides the chain tensor (docs/design.md §4).
+
+:class:`SideTensor` describes one (its bytes, producer, consumers and savers) as a cost
+model holds it; :class:`SideArrays` is the same as arrays for the compiled kernels
+(:mod:`ckptopt.simulator.streams`). No torch import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import InvalidCosts
+
+__all__ = ["SideTensor", "SideArrays", "side_tensors", "MAX_OPEN"]
+
+#: At most this many side tensors may cross one boundary: the exact programs keep a state per
+#: subset of them (2**k states).
+MAX_OPEN = 12
+
+
+def _count(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidCosts(f"field {field!r} must be an integer, got {value!r}", field="side")
+    if isinstance(value, (float, np.floating)) and (not math.isfinite(value) or value != round(value)):
+        raise InvalidCosts(f"field {field!r}: {value!r} is not an integer number of bytes", field="side")
+    if int(value) < 0:
+        raise InvalidCosts(f"field {field!r}: {int(value)} is negative; sizes are non-negative bytes", field="side")
+    if int(value) >= 2**50:
+        raise InvalidCosts(f"field {field!r}: {int(value)} is too large", field="side")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SideTensor:
+    """A tensor that crosses layer boundaries besides the chain tensor (see the module docstring).
+
+    Attributes
+    ----------
+    bytes : int
+        Bytes of its storage.
+    producer : int
+        The layer that computes it.
+    consumers : tuple of int
+        The later layers that read it, increasing (at least one, each after ``producer``).
+    saved_by : tuple of int
+        The layers among ``producer`` and ``consumers`` that save it for their backward.
+    grad : int or None
+        Bytes of its gradient's storage (None: ``bytes``; 0: it needs no gradient).
+    name : str
+        A label (the graph node), for display.
+    """
+
+    bytes: int
+    producer: int
+    consumers: tuple[int, ...]
+    saved_by: tuple[int, ...] = ()
+    grad: int | None = None
+    name: str = ""
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.bytes if self.grad is None else self.grad
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes": int(self.bytes), "producer": int(self.producer),
+                               "consumers": [int(u) for u in self.consumers],
+                               "saved_by": [int(u) for u in self.saved_by]}
+        if self.grad is not None:
+            out["grad"] = int(self.grad)
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class SideArrays(NamedTuple):
+    """The side tensors as int64 arrays for the compiled kernels (:attr:`ChainCosts.side_arrays`).
+
+    ``sa``, ``sg``, ``sp``, ``smax``: bytes, gradient bytes, producer and last consumer per side
+    tensor; ``cptr``/``cu``/``csv``: its consumers and whether each saves it (CSR); ``psv``: the
+    producer saves it; ``optr``/``olist``: the side tensors layer i produces; ``bptr``/``blist``:
+    the side tensors open at boundary l (produced before layer l, read at or after it), in
+    increasing order (bit k of a kernel's state mask is ``blist[bptr[l] + k]``); ``bgrad[i]``:
+    side gradients live through layer i's backward besides what it creates (pending ones, and
+    those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
+    triggers a recomputation (beyond its own output gradients, which its ``rg`` counts).
+    """
+
+    sa: np.ndarray
+    sg: np.ndarray
+    sp: np.ndarray
+    smax: np.ndarray
+    cptr: np.ndarray
+    cu: np.ndarray
+    csv: np.ndarray
+    psv: np.ndarray
+    optr: np.ndarray
+    olist: np.ndarray
+    bptr: np.ndarray
+    blist: np.ndarray
+    bgrad: np.ndarray
+    rside: np.ndarray
+
+    @classmethod
+    def build(cls, n: int, side: Sequence[SideTensor]) -> "SideArrays":
+        m = len(side)
+        sa = [t.bytes for t in side]
+        sg = [t.grad_bytes for t in side]
+        sp = [t.producer for t in side]
+        smax = [t.consumers[-1] for t in side]
+        cptr, cu, csv = [0], [], []
+        for t in side:
+            saved = set(t.saved_by)
+            cu.extend(t.consumers)
+            csv.extend(1 if u in saved else 0 for u in t.consumers)
+            cptr.append(len(cu))
+        psv = [1 if t.producer in set(t.saved_by) else 0 for t in side]
+        optr, olist = [0], []
+        by_producer: dict[int, list[int]] = {}
+        for j, t in enumerate(side):
+            by_producer.setdefault(t.producer, []).append(j)
+        for i in range(n):
+            olist.extend(by_producer.get(i, ()))
+            optr.append(len(olist))
+        bptr, blist = [0], []
+        for l in range(n + 1):
+            blist.extend(j for j in range(m) if sp[j] < l <= smax[j])
+            bptr.append(len(blist))
+        bgrad = np.zeros(n, dtype=np.int64)
+        rside = np.zeros(n, dtype=np.int64)
+        for j in range(m):
+            if sg[j]:
+                bgrad[sp[j]:smax[j]] += sg[j]  # p <= i < last consumer
+                rside[sp[j] + 1:smax[j]] += sg[j]  # p < t < last consumer
+        arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside]
+        out = []
+        for x in arrays:
+            x = np.array(x, dtype=np.int64).reshape(-1)
+            x.setflags(write=False)
+            out.append(x)
+        return cls(*out)
+
+
+def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
+    """Validate the ``side`` argument (SideTensor objects or their dicts) for ``n`` layers."""
+    if side is None:
+        return ()
+    if isinstance(side, (str, bytes, Mapping)):
+        raise InvalidCosts("field 'side' must be a list of side tensors (SideTensor or dicts)", field="side")
+    out = []
+    for k, t in enumerate(side):
+        where = f"side tensor {k}"
+        if isinstance(t, Mapping):
+            unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name"}
+            if unknown:
+                raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
+            try:
+                t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
+                               t.get("grad"), str(t.get("name", "")))
+            except KeyError as exc:
+                raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
+                                   field="side", index=k) from None
+            except TypeError as exc:
+                raise InvalidCosts(f"{where}: {exc}", field="side", index=k) from None
+        if not isinstance(t, SideTensor):
+            raise InvalidCosts(f"{where} is a {type(t).__name__}, not a SideTensor or a dict", field="side", index=k)
+        size = _count(f"side[{k}].bytes", t.bytes)
+        grad = None if t.grad is None else _count(f"side[{k}].grad", t.grad)
+        prod = t.producer
+        if isinstance(prod, bool) or not isinstance(prod, (int, np.integer)) or not 0 <= prod < n - 1:
+            raise InvalidCosts(f"{where}: producer {prod!r} is not a layer in 0..{n - 2} (a side tensor is read by "
+                               "a later layer)", field="side", index=k)
+        cons = tuple(t.consumers)
+        if not cons or any(isinstance(u, bool) or not isinstance(u, (int, np.integer)) for u in cons):
+            raise InvalidCosts(f"{where}: consumers must be a non-empty list of layer indices, got {cons!r}",
+                               field="side", index=k)
+        if list(cons) != sorted(set(cons)) or cons[0] <= prod or cons[-1] > n - 1:
+            raise InvalidCosts(f"{where}: consumers {cons} must increase strictly, each in {prod + 1}..{n - 1} "
+                               "(after the producer)", field="side", index=k)
+        saved = tuple(sorted(set(int(u) for u in t.saved_by)))
+        bad = [u for u in saved if u != prod and u not in set(cons)]
+        if bad:
+            raise InvalidCosts(f"{where}: saved_by {bad} are neither its producer nor a consumer", field="side",
+                               index=k)
+        if grad is not None and 0 < grad < size:
+            raise InvalidCosts(f"{where}: grad {grad} is smaller than the tensor ({size}); the gradient's storage "
+                               "is at least its size, or 0 when it needs none", field="side", index=k)
+        out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name))
+    opened = [0] * (n + 1)
+    for t in out:
+        for b in range(t.producer + 1, t.consumers[-1] + 1):
+            opened[b] += 1
+    if max(opened) > MAX_OPEN:
+        b = opened.index(max(opened))
+        raise InvalidCosts(f"{max(opened)} side tensors cross the boundary before layer {b}; at most {MAX_OPEN} may "
+                           "(the exact programs keep a state per subset of them)", field="side")
+    return tuple(out)

@@ -1,0 +1,197 @@
+"""Compiled kernels for side tensors: tensors that cross layer boundaries besides the chain tensor.
+
+A cost model with side tensors (:class:`ckptopt.costs.SideTensor`, ``docs/design.md`` §4) is
+the chain model plus, for each side tensor ``j`` (bytes ``sa``, producer ``p``, consumers, last
+consumer ``smax``), the holding rule:
+
+* **forward**: the copy the forward made lives from its producer's forward to its last
+  consumer's (to the end of a checkpointed consumer segment, whose call holds its
+  arguments), and beyond while anything holds it;
+* **holders**: a checkpointed segment that reads it and saves anything (its frame, let go
+  with the backward of the segment's first saving layer); a layer of an unwrapped segment
+  that saves it (let go with its backward). The producer's own checkpointed segment holds
+  nothing: its recomputation makes a new copy, which lives to its last recomputed consumer,
+  or to the stop when a later segment reads it, or to the backward of the first layer
+  that saves it. A release counts after the releasing layer's backward;
+* **gradient**: from the backward of its last consumer to its producer's (``bgrad``,
+  ``rside`` of :class:`ckptopt.costs.SideArrays`, independent of the plan).
+
+The peak stays a prefix objective once a segment knows which side tensors crossing its
+start an earlier segment already holds (a bit mask ``S`` over the tensors open there,
+``SideArrays.blist``): those are constant bytes for the rest of the step, held once however
+many segments read them. :func:`side_terms` gives what the side tensors add to each term of
+one segment (forward, recomputation, backward, per layer), the bytes the segment starts to
+hold for later segments, and the mask at its end; :func:`simulate_plan_side` walks a plan.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
+
+__all__ = ["side_terms", "simulate_plan_side", "side_scratch"]
+
+
+def side_scratch(n: int, ns: int):
+    """The work arrays the side kernels share: per-layer addends (forward, recompute, backward)
+    and a per-side-tensor mark."""
+    return (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+            np.zeros(max(ns, 1), dtype=np.int64))
+
+
+@njit(cache=True)
+def _first_saver(SD, j, lo, hi):
+    """The first consumer of side tensor ``j`` in ``[lo, hi]`` that saves it (-1 if none)."""
+    for q in range(SD.cptr[j], SD.cptr[j + 1]):
+        u = SD.cu[q]
+        if u > hi:
+            break
+        if u >= lo and SD.csv[q] != 0:
+            return u
+    return -1
+
+
+@njit(cache=True)
+def _reads_in(SD, j, lo, hi):
+    for q in range(SD.cptr[j], SD.cptr[j + 1]):
+        u = SD.cu[q]
+        if u > hi:
+            return False
+        if u >= lo:
+            return True
+    return False
+
+
+@njit(cache=True)
+def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
+    """What the side tensors add to segment ``[l, r]`` (``unwrapped``: stored or the last).
+
+    ``S``: bit k set when the k-th side tensor open at ``l`` is held by an earlier segment
+    (its bytes are then constant, outside this segment's terms). Fills ``fadd``, ``radd``,
+    ``badd`` over ``l..r``. Returns ``(held, S2)``: the bytes this segment starts to hold
+    for every later segment, and the mask at ``r + 1``. O(r - l + the side tensors' reads).
+    """
+    for i in range(l, r + 1):
+        fadd[i] = 0
+        radd[i] = 0
+        badd[i] = SD.bgrad[i]
+    fsv = first_saving(l, r, K)
+    seg_saves = fsv <= r
+    trigger = r
+    e = l - 1
+    if not unwrapped and seg_saves:
+        trigger, e, partial = recompute_span(l, r, K)
+        for i in range(l, e + 1):
+            radd[i] = SD.rside[trigger]
+    held = 0
+    b0 = SD.bptr[l]
+    for k in range(SD.bptr[l + 1] - b0):
+        j = SD.blist[b0 + k]
+        if (S >> k) & 1:
+            mark[j] = 1  # held before: still held at r + 1
+            continue
+        sa = SD.sa[j]
+        smax = SD.smax[j]
+        if unwrapped:
+            rho = _first_saver(SD, j, l, r)
+            hold = rho >= 0
+        else:
+            rho = fsv
+            hold = seg_saves and _reads_in(SD, j, l, r)
+        if smax <= r:
+            fend = smax if unwrapped else r  # a checkpointed call holds its arguments
+        else:
+            fend = r
+        for i in range(l, r + 1):
+            if i <= fend or hold:
+                fadd[i] += sa
+        if hold:
+            for i in range(l, e + 1):
+                radd[i] += sa
+            for i in range(rho, r + 1):
+                badd[i] += sa
+            held += sa
+            mark[j] = 1
+    for p in range(l, r + 1):
+        for q in range(SD.optr[p], SD.optr[p + 1]):
+            j = SD.olist[q]
+            sa = SD.sa[j]
+            smax = SD.smax[j]
+            fend = smax if smax <= r else r
+            if unwrapped:
+                rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, r)
+                hold = rho >= 0
+                for i in range(p + 1, r + 1):
+                    if i <= fend or hold:
+                        fadd[i] += sa
+                if hold:
+                    for i in range(rho, r + 1):
+                        badd[i] += sa
+                    held += sa
+                    mark[j] = 1
+            else:
+                for i in range(p + 1, fend + 1):
+                    fadd[i] += sa
+                if p <= e:  # recomputed: a new copy
+                    rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, e)
+                    rend = smax
+                    if smax > r or rho >= 0 or smax > e:
+                        rend = e
+                    for i in range(p + 1, rend + 1):
+                        radd[i] += sa
+                    if rho >= 0:
+                        for i in range(rho, trigger + 1):
+                            badd[i] += sa
+    # the mask at r + 1, and the marks cleared
+    S2 = 0
+    b1 = SD.bptr[r + 1]
+    for k in range(SD.bptr[r + 2] - b1):
+        if mark[SD.blist[b1 + k]] != 0:
+            S2 |= 1 << k
+    for k in range(SD.bptr[l + 1] - b0):
+        mark[SD.blist[b0 + k]] = 0
+    for p in range(l, r + 1):
+        for q in range(SD.optr[p], SD.optr[p + 1]):
+            mark[SD.olist[q]] = 0
+    return held, S2
+
+
+@njit(cache=True)
+def simulate_plan_side(starts, stored, n, K, SD, fadd, radd, badd, mark):
+    """:func:`ckptopt.simulator.kernels.simulate_plan` with side tensors (full form).
+    Returns (peak without static, phase, layer, segment). O(n + the side tensors' reads)."""
+    held = 0
+    best = NEG
+    phase = -1
+    layer = -1
+    seg = -1
+    m = starts.shape[0]
+    prev_keeps = False
+    S = 0
+    for k in range(m):
+        l = starts[k]
+        r = starts[k + 1] - 1 if k + 1 < m else n - 1
+        last = k == m - 1
+        st = last or stored[k] != 0
+        if prev_keeps:
+            c = 0
+            live_in = 0
+        else:
+            c = held_checkpoint(l, r, st, True, K)
+            live_in = K.ck[l] - c if k > 0 else 0
+        held += c
+        dside, S2 = side_terms(l, r, st, S, K, SD, fadd, radd, badd, mark)
+        v, ph, ly = segment_peak_add(l, r, st, True, K, live_in, prev_keeps, fadd, radd, badd, True)
+        v += held
+        if v > best:
+            best, phase, layer, seg = v, ph, ly, k
+        held += dside
+        if st and not last:
+            held += K.P[r] - K.P[l] + K.keep[r]
+            prev_keeps = K.sout[r] != 0
+        else:
+            prev_keeps = False
+        S = S2
+    return best, phase, layer, seg
