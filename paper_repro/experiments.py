@@ -9,7 +9,7 @@ Each function returns plain JSON-ready dicts; nothing here formats or plots.
   ``measure_peak(model, inputs, checkpoints=plan)`` does, without tracing
   again); time the solvers; time the steps, interleaved.
 * :func:`timeline` — figure (a): the live bytes after every operator of one
-  measured step, and :func:`ckptopt.timeline.simulate_timeline`'s predicted
+  measured step, and :func:`ckptopt.simulator.timeline.simulate_timeline`'s predicted
   events placed on the same axis.
 * :func:`batch_sweep` — figure (b): predicted and measured peak against the
   batch size.
@@ -31,7 +31,7 @@ import torch
 from ckptopt import ChainCosts, apply_plan, simulate, solve, zoo
 from ckptopt.measure import measure_peak
 from ckptopt.tracker import StorageTracker
-from ckptopt.timeline import simulate_timeline
+from ckptopt.simulator.timeline import simulate_timeline
 from ckptopt.tracer import trace
 
 from .config import STRATEGIES, TIMED_SOLVERS, TIMELINE_PLANS, ModelConfig

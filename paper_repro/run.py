@@ -76,7 +76,7 @@ def captions(meta: dict, timeline: dict, sweep: dict, scaling: dict) -> dict:
         "a": (f"**(a)** Memory during one training step of {timeline['label']} ({timeline['size_text']}), for no "
               f"checkpointing, sqrt and the optimal (dp) plan. Coloured line: live bytes after every operator, "
               f"measured ({how} tensors, exact storage tracker). Black steps: the predicted memory of each "
-              f"layer event (`ckptopt.timeline.simulate_timeline`: forward, recomputation, backward), at the "
+              f"layer event (`ckptopt.simulator.timeline.simulate_timeline`: forward, recomputation, backward), at the "
               f"high point of the event. The x axis is the measured operator index divided by the number of "
               f"operators in the step; predicted events are placed on it where the measured run started the "
               f"layer (a forward pre-hook on the layer's first module, in forward and in recomputation); "

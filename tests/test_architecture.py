@@ -25,16 +25,16 @@ MAX_LINES = 800
 STAGES = [
     ("errors", "units"),
     ("costs", "plan", "sides"),
-    ("simulator", "timeline"),
+    ("simulator",),
     ("solvers",),
     ("torch_utils", "tracker"),
     ("tracer",),
     ("rewriter",),
     ("api", "measure", "planning", "calibration"),
-    ("experimental", "dag", "_dag_measure"),
+    ("experimental",),
     ("cli", "zoo", "_models"),
 ]
-TORCH_FREE = {"errors", "units", "costs", "plan", "sides", "simulator", "timeline", "solvers", "dag"}
+TORCH_FREE = {"errors", "units", "costs", "plan", "sides", "simulator", "solvers"}
 
 
 def _modules() -> dict[str, Path]:

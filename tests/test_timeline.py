@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from ckptopt import ChainCosts, InvalidPlan, simulate
 from ckptopt.simulator import recomputed_layers
-from ckptopt.timeline import simulate_timeline
+from ckptopt.simulator.timeline import simulate_timeline
 
 from .common.reference import reference_peak
 from .common.strategies import additive_costs, full_costs
@@ -136,5 +136,5 @@ def test_bad_plan_is_rejected():
 
 
 def test_timeline_module_does_not_import_torch():
-    code = "import sys, ckptopt.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import sys, ckptopt.simulator.timeline; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
