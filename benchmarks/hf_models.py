@@ -1,11 +1,12 @@
-"""HuggingFace transformers: ckptopt against transformers' own gradient checkpointing.
+"""HuggingFace transformers: ckptopt against transformers' own activation checkpointing.
 
 For GPT-2, Llama and BERT built from config objects (no weights; dropout on; batch
 as a collator yields it, the model's own loss from ``labels``), four ways to train:
 
 * ``none``: the model as it is;
-* ``hf``: ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
-  every decoder layer checkpointed (what these users run today);
+* ``hf``: ``model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})``
+  (``gradient_checkpointing_enable``, its deprecated name, on transformers < 5), every decoder
+  layer checkpointed (what these users run today);
 * ``ckptopt``: ``optimize_checkpoints(model, batch)``, the default (lowest peak);
 * ``ckptopt-budget``: ``optimize_checkpoints(model, batch, budget=<hf's measured peak>)``:
   the least recomputation at transformers' own peak.
@@ -58,6 +59,22 @@ def _hf_recompute_share(opt, name: str) -> float:
     return blocks / (3 * sum(f for _, f in flops))
 
 
+def hf_checkpointing_enable(model) -> None:
+    """transformers' own checkpointing of every layer, non-reentrant: ``activation_checkpointing_enable``
+    where the model has it (transformers 5), else the deprecated ``gradient_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def hf_checkpointing_disable(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def _step(model, batch):
     out = model(**batch)
     out.loss.backward()
@@ -74,9 +91,9 @@ def run_model(name: str, batch: int, seq: int, rounds: int, device: str) -> dict
     opt = optimize_checkpoints(model, data)
     plan_seconds = time.perf_counter() - t0
     rows = {"none": dict(measured_peak_bytes=measure_peak(model, data), recompute_share=0.0)}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing_enable(model)
     rows["hf"] = dict(measured_peak_bytes=measure_peak(model, data), recompute_share=_hf_recompute_share(opt, name))
-    model.gradient_checkpointing_disable()
+    hf_checkpointing_disable(model)
     rows["ckptopt"] = dict(measured_peak_bytes=measure_peak(opt, data), predicted_peak_bytes=opt.predicted_peak_bytes,
                            recompute_share=_share(opt), plan=list(opt.plan.checkpoints), stored=list(opt.plan.stored),
                            solver=opt.plan.solver, plan_seconds=plan_seconds)
@@ -91,7 +108,7 @@ def run_model(name: str, batch: int, seq: int, rounds: int, device: str) -> dict
     for r in range(rounds + 1):
         for key, (module, hf_ckpt) in variants.items():
             if hf_ckpt:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                hf_checkpointing_enable(model)
             torch.manual_seed(r)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -102,7 +119,7 @@ def run_model(name: str, batch: int, seq: int, rounds: int, device: str) -> dict
             if r:  # round 0 is the warm-up
                 times[key].append(time.perf_counter() - t)
             if hf_ckpt:
-                model.gradient_checkpointing_disable()
+                hf_checkpointing_disable(model)
     base = statistics.median(times["none"])
     for key, row in rows.items():
         row["step_seconds"] = statistics.median(times[key])

@@ -4,7 +4,8 @@ Small GPT-2, Llama and BERT built from config objects (no weights, dropout on),
 batches as a collator yields them (input_ids, attention_mask, labels). Truth is the
 unmodified model: the same loss, logits and gradients bit for bit over two steps, and
 measured peaks (exact CPU storage tracker) against the prediction and against
-transformers' own ``gradient_checkpointing_enable``.
+transformers' own checkpointing (``activation_checkpointing_enable``, the name transformers
+5 gives ``gradient_checkpointing_enable``).
 """
 
 import copy
@@ -29,6 +30,22 @@ TINY = {
                             vocab_size=256, max_position_embeddings=128),
 }
 NAMES = list(TINY)
+
+
+def hf_checkpointing_enable(model):
+    """transformers' own checkpointing of every layer, non-reentrant: ``activation_checkpointing_enable``
+    where the model has it (transformers 5), else the deprecated ``gradient_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def hf_checkpointing_disable(model):
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
 
 
 def build(name, batch=2, seq=32, **over):
@@ -133,17 +150,17 @@ def test_generate_is_unchanged():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_peak_is_predicted_and_below_transformers_checkpointing(name):
-    """Measured within 1% of the prediction; at or below gradient_checkpointing_enable's peak."""
+    """Measured within 1% of the prediction; at or below transformers' own checkpointing's peak."""
     model, batch = get_hf(name, 4, 128, {**TINY[name], "num_hidden_layers": 4, "n_layer": 4}
                           if name == "GPT2LMHeadModel" else {**TINY[name], "num_hidden_layers": 4})
     opt = optimize_checkpoints(model, batch)
     measured = measure_peak(opt, batch)
     assert abs(measured - opt.predicted_peak_bytes) <= 0.01 * opt.predicted_peak_bytes
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf_checkpointing_enable(model)
     try:
         theirs = measure_peak(model, batch)
     finally:
-        model.gradient_checkpointing_disable()
+        hf_checkpointing_disable(model)
     assert measured <= theirs, (measured, theirs)
 
 
