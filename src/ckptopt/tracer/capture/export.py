@@ -15,12 +15,26 @@ model (dropout included). What this module adds:
   specs are kept to bind a call (:attr:`Captured.bind`) and rebuild the model's
   output object (:attr:`Captured.rebuild`);
 * ``config.use_cache`` is turned off while exporting (a cache is no training output;
-  transformers does the same under gradient checkpointing).
+  transformers does the same under gradient checkpointing);
+* **constants at the root**: ``torch.export`` lifts tensor constants made in a
+  forward (``torch.tensor(...)`` in an attention module) and ``ep.module()`` puts them
+  under the submodule's path (``transformer.h.0.self_attention.lifted_tensor_0``), where
+  the original model has nothing; the rewriter reads the graph's attributes through the
+  model's own module tree, so each such constant moves to a root attribute of the graph
+  module under a name the model does not have;
+* **BatchNorm updates its statistics once**: a training batch norm updates its running
+  statistics in place and its ``num_batches_tracked`` is incremented by an ``add_`` node;
+  both become calls of :func:`batch_norm_stats_once` and :func:`count_batch_once`, which
+  run the op unchanged in the forward and, while checkpoint recomputes a segment inside
+  backward (``torch._C._current_graph_task_id() != -1``), run it with momentum 0 (the
+  same output and saved tensors; the statistics keep their values) and skip the
+  increment, as the rewriter's BatchNorm hooks do on the FX path.
 
-Known limits (PyTorch's and peers' trackers): the mode (``train``/``eval``) is baked
-in at export time, so the rewritten module runs the original forward in the other
-mode; BatchNorm's running statistics would be updated again by a recomputation, so
-a graph with a training BatchNorm is refused.
+Known limits: the mode (``train``/``eval``) is baked in at export time, so the
+rewritten module runs the original forward in the other mode; an op that would update
+running statistics without a momentum argument is refused. A training BatchNorm with
+``momentum=None`` (a cumulative average, ``1/num_batches_tracked``) does not export at
+all (``float()`` of a buffer is data-dependent).
 """
 
 from __future__ import annotations
@@ -48,7 +62,8 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     ------
     TraceError
         When ``torch.export`` fails (the message names the first line of its error), or
-        the graph holds a construct checkpointing would change (a training BatchNorm).
+        the graph holds a construct checkpointing would change (an op updating running
+        statistics that a recomputation could not leave alone).
     """
     from torch.export import export
 
@@ -73,8 +88,9 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     gm = ep.module(check_guards=False)
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm.graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output; the specs are kept
+    _constants_to_root(gm, model)
+    _batch_norm_once(gm, model)
     gm.recompile()
-    _refuse_batch_norm(gm, model)
     example = pytree.tree_flatten((tuple(inputs.args), dict(inputs.kwargs)))[0]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example):
@@ -140,18 +156,107 @@ def _no_cache(model: nn.Module, notes: list[str]):
         config.use_cache = True
 
 
-def _refuse_batch_norm(gm: fx.GraphModule, model: nn.Module) -> None:
-    if not model.training:
-        return
+def _resolves(root: Any, target: str) -> bool:
+    obj = root
+    for part in target.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return False
+    return True
+
+
+def _attr(root: Any, target: str) -> Any:
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _constants_to_root(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Move every ``get_attr`` target under a submodule path that the model does not have (a
+    constant ``torch.export`` lifted) to a root attribute of ``gm`` whose name the model does
+    not have either, and retarget its nodes: the rewriter resolves a graph attribute through the
+    model's module tree, and takes from the graph module only root names the model lacks."""
+    moved: dict[str, str] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and "batch_norm" in str(n.target):
-            raise TraceError(
-                f"{type(model).__name__} runs a BatchNorm in training mode ({n.target}) and was captured with "
-                "torch.export: a recomputed segment would update its running statistics a second time. "
-                "Pass capture='fx' (with leaf_modules=[...] for the submodules FX cannot trace) to keep "
-                "ckptopt's BatchNorm protection.",
-                node=n.name,
-            )
+        if n.op != "get_attr" or "." not in n.target or _resolves(model, n.target):
+            continue
+        if n.target not in moved:
+            value = _attr(gm, n.target)
+            base = name = n.target.replace(".", "_")
+            k = 0
+            while hasattr(model, name) or hasattr(gm, name):
+                k += 1
+                name = f"{base}_{k}"
+            if isinstance(value, nn.Module):
+                gm.add_submodule(name, value)
+            else:
+                setattr(gm, name, value)
+            moved[n.target] = name
+        n.target = moved[n.target]
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: checkpoint recomputing a segment."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def batch_norm_stats_once(op: Any, momentum_at: int, *args: Any, **kwargs: Any) -> Any:
+    """``op(*args, **kwargs)``, a training batch norm that updates its running statistics (in
+    place, or returning the new ones to be copied in); while recomputed inside backward, with
+    momentum 0: the same kernel, output and saved tensors, and statistics that keep their values
+    (``0 * batch + 1 * running``), as the rewriter's BatchNorm hooks do on the FX path."""
+    if _recomputing():
+        args = args[:momentum_at] + (0.0,) + args[momentum_at + 1:]
+    return op(*args, **kwargs)
+
+
+def count_batch_once(op: Any, counter: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``op(counter, *args, **kwargs)`` (``num_batches_tracked.add_(1)``), skipped while recomputed."""
+    if _recomputing():
+        return counter
+    return op(counter, *args, **kwargs)
+
+
+_MOMENTUM = ("momentum", "exponential_average_factor")
+
+
+def _batch_norm_once(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Make a recomputed segment leave BatchNorm's running statistics and batch count alone.
+
+    Training batch norms with running statistics become :func:`batch_norm_stats_once`, in-place
+    writes to a ``num_batches_tracked`` buffer :func:`count_batch_once`.
+
+    Raises
+    ------
+    TraceError
+        For a batch norm op that would update running statistics without a momentum argument.
+    """
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        op = n.target
+        names = [a.name for a in op._schema.arguments]
+        if "batch_norm" in op.name():
+            bound = dict(zip(names, n.args))
+            bound.update(n.kwargs)
+            if bound.get("running_mean") is None or bound.get("training", True) is False:
+                continue  # no statistics, or not updating them (eval)
+            at = next((names.index(m) for m in _MOMENTUM if m in names), None)
+            if at is None or len(n.args) <= at:
+                raise TraceError(
+                    f"{type(model).__name__} runs a BatchNorm in training mode ({op}) that updates its running "
+                    "statistics in a form ckptopt cannot keep from being updated again by a recomputation; "
+                    "pass capture='fx' (with leaf_modules=[...] for the submodules FX cannot trace).",
+                    node=n.name)
+            n.target = batch_norm_stats_once
+            n.args = (op, at) + tuple(n.args)
+        elif (n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "get_attr"
+              and n.args[0].target.split(".")[-1] == "num_batches_tracked"
+              and op._schema.arguments[0].alias_info is not None and op._schema.arguments[0].alias_info.is_write):
+            n.target = count_batch_once
+            n.args = (op,) + tuple(n.args)
 
 
 def _first_line(exc: BaseException) -> str:

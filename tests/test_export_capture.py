@@ -1,0 +1,186 @@
+"""The torch.export front end on HuggingFace models it used to break on.
+
+* Constants ``torch.export`` lifts out of a forward (``torch.tensor(...)`` in Falcon's and
+  GPT-Neo's attention) live under a submodule path in ``ep.module()`` that the model does
+  not have; they move to root attributes of the graph module, so the rewritten module
+  finds them (it failed with ``'FalconAttention' object has no attribute 'lifted_tensor_0'``).
+* A training BatchNorm on the export graph (``aten.batch_norm`` with running-statistics
+  buffers, ``add_`` on ``num_batches_tracked``) updates its statistics once per step, not
+  again when checkpoint recomputes its segment.
+* transformers' own checkpointing is called by its current name (no FutureWarning).
+* The "Moved:" shim modules are gone.
+
+Truth is the unmodified model: loss, logits and every gradient bit-identical over two
+steps with dropout on, and the same running statistics.
+"""
+
+import copy
+import importlib
+import importlib.util
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers.logging.set_verbosity_error()
+
+import ckptopt  # noqa: E402
+from ckptopt import TraceError, measure_peak, optimize_checkpoints  # noqa: E402
+from ckptopt.tracer.capture.export import batch_norm_stats_once, count_batch_once  # noqa: E402
+
+VOCAB = 512
+
+
+def _falcon():
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=2, vocab_size=VOCAB, use_cache=False))
+
+
+def _gpt_neo():
+    return transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+        num_layers=2, attention_types=[[["global", "local"], 1]], hidden_size=64, num_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=128, window_size=16, use_cache=False))
+
+
+def _gemma3():
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=VOCAB, max_position_embeddings=128, sliding_window=16, attention_dropout=0.1,
+        use_cache=False))
+
+
+TEXT = {"falcon": _falcon, "gpt_neo": _gpt_neo, "gemma3": _gemma3}
+LIFTS = {"falcon", "gpt_neo"}  # their export graphs read constants lifted under an attention module
+
+
+def _text_batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _resnet():
+    torch.manual_seed(0)
+    model = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=3)).train()
+    gen = torch.Generator().manual_seed(0)
+    return model, {"pixel_values": torch.randn(2, 3, 32, 32, generator=gen), "labels": torch.tensor([0, 2])}
+
+
+def _resolves(root, target):
+    try:
+        for part in target.split("."):
+            root = getattr(root, part)
+    except AttributeError:
+        return False
+    return True
+
+
+def _trains_identically(ref, opt, model, batch, steps=2):
+    """Two steps (dropout on, the same seed each) give the same loss, logits, gradients and buffers."""
+    theirs = dict(ref.named_parameters())
+    for seed in range(steps):
+        torch.manual_seed(seed)
+        a = ref(**batch)
+        a.loss.backward()
+        torch.manual_seed(seed)
+        b = opt(**batch)
+        b.loss.backward()
+        assert type(a) is type(b)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits)
+        for key, p in model.named_parameters():
+            assert torch.equal(p.grad, theirs[key].grad), key
+        ref_buffers = dict(ref.named_buffers())
+        for key, buf in model.named_buffers():
+            assert torch.equal(buf, ref_buffers[key]), key
+        with torch.no_grad():
+            for m in (ref, model):
+                for p in m.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+
+
+@pytest.mark.parametrize("name", list(TEXT))
+def test_lifted_constants_reach_the_rewritten_module(name):
+    torch.manual_seed(0)
+    model = TEXT[name]().train()
+    ref = copy.deepcopy(model)
+    batch = _text_batch()
+    opt = optimize_checkpoints(model, batch)
+    gm = opt.traced.gm
+    assert opt.traced.capture.front_end == "export" and opt.plan.checkpoints
+    targets = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    # every graph attribute is the model's, or a root attribute of the graph the model lacks
+    for t in targets:
+        assert _resolves(model, t) or ("." not in t and not hasattr(model, t) and hasattr(gm, t)), t
+    lifted = [t for t in targets if "lifted_tensor" in t]
+    assert bool(lifted) == (name in LIFTS), lifted
+    _trains_identically(ref, opt, model, batch)
+
+
+def test_training_batch_norm_updates_its_statistics_once():
+    """ResNet with every layer checkpointed: its BatchNorms are recomputed, yet the running
+    statistics and batch counts after two steps are the unmodified model's, and the
+    measured peak is the predicted one."""
+    model, batch = _resnet()
+    ref = copy.deepcopy(model)
+    tm = ckptopt.trace(model, batch, capture="export")
+    opt = ckptopt.apply_plan(model, tm, ckptopt.solve(tm.costs, "every"))
+    nodes = {n.name: n for n in tm.gm.graph.nodes}
+    wrapped = [nodes[nm].target for s in opt._segments if s.wrapped for nm in s.nodes]
+    assert wrapped.count(batch_norm_stats_once) >= 4 and count_batch_once in wrapped
+    _trains_identically(ref, opt, model, batch)
+    assert all(int(b) == 2 for k, b in model.named_buffers() if k.endswith("num_batches_tracked"))
+    predicted, measured = opt.predicted_peak_bytes, measure_peak(opt, batch)
+    assert abs(measured - predicted) <= 0.01 * predicted, (predicted, measured)
+
+
+def test_cumulative_batch_norm_is_refused_on_the_export_path():
+    """momentum=None averages with 1/num_batches_tracked: float() of a buffer, which torch.export
+    cannot capture; it is refused, not run with a factor baked in."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None), torch.nn.ReLU())
+    with pytest.raises(TraceError, match="torch.export cannot capture Sequential"):
+        ckptopt.trace(model, torch.randn(2, 3, 8, 8), capture="export")
+
+
+def _benchmark_hf_models():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_models.py"
+    saved = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_hf_models", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_transformers_checkpointing_is_called_by_its_current_name():
+    """The helpers of tests/test_hf.py and benchmarks/hf_models.py enable transformers' own
+    checkpointing non-reentrant, without the deprecation FutureWarning, and disable it."""
+    from tests.test_hf import hf_checkpointing_disable, hf_checkpointing_enable
+
+    bench = _benchmark_hf_models()
+    for enable, disable in ((hf_checkpointing_enable, hf_checkpointing_disable),
+                            (bench.hf_checkpointing_enable, bench.hf_checkpointing_disable)):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            enable(model)
+            on = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+            assert on and all(m._gradient_checkpointing_func.keywords == {"use_reentrant": False} for m in on)
+            disable(model)
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("old, new", [("ckptopt.dag", "ckptopt.experimental.dag"),
+                                      ("ckptopt.timeline", "ckptopt.simulator.timeline"),
+                                      ("ckptopt._dag_measure", "ckptopt.experimental.nodes")])
+def test_moved_modules_live_only_at_their_new_paths(old, new):
+    assert importlib.util.find_spec(old) is None
+    assert importlib.import_module(new).__all__
