@@ -13,7 +13,8 @@ from .plan import Plan
 from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
-from .torch_utils import fake_copy, normalize_inputs
+from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value, fake_copy,
+                          normalize_inputs, python_state, quiet_fake_errors, restore_python_state, source_line)
 from .tracer import trace
 from .tracer.capture import check_capture_mode
 
@@ -97,12 +98,15 @@ def optimize_checkpoints(
     check_capture_mode(capture)
     if budget is not None and budget != "device":
         check_budget(budget)  # and on a bad budget
-    state = _python_state(model) if isinstance(model, nn.Module) else {}
+    state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})
     try:
         tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
-        _check_forward_has_no_python_side_effects(model, example_inputs)
+        front_end = tm.capture.front_end if tm.capture is not None else "fx"
+        note = _check_forward_has_no_python_side_effects(model, example_inputs, front_end)
+        if note and tm.capture is not None:
+            tm.capture.notes.append(note)
     finally:
-        _restore_python_state(state)  # FX runs the forward's Python code on the model itself
+        restore_python_state(state)  # FX runs the forward's Python code on the model itself
     device = _device_of(model)
     if calibrate if calibrate is not None else device.type == "cuda":
         from .calibration import calibrate as run_calibration
@@ -127,76 +131,90 @@ def _device_of(model: nn.Module) -> torch.device:
 # --------------------------------------------------------------------------
 # forwards with Python side effects (a counter, a list that grows)
 # --------------------------------------------------------------------------
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+def _summaries(state: PythonState) -> dict:
+    """(module id, attribute) -> (module, summary, shown): what each attribute holds now."""
+    return {(id(mod), attr): (mod, describe_value(value), _show(value)) for mod, attr, value in state.attrs}
 
 
-def _python_state(model: nn.Module) -> dict:
-    """``(module path, attribute) -> (object, copy)`` for every plain-Python attribute of every submodule.
-
-    Numbers, strings and None are kept as they are; lists, dicts and sets as
-    shallow copies (restored in place, so the user's object stays the same).
-    Tensors, modules and nn.Module's own bookkeeping are left out.
-    """
-    state = {}
-    for path, mod in model.named_modules():
-        for attr, value in vars(mod).items():
-            if attr in _MODULE_INTERNALS:
-                continue
-            if value is None or isinstance(value, (bool, int, float, str)):
-                state[(path, attr)] = (mod, value)
-            elif isinstance(value, (list, dict, set)):
-                state[(path, attr)] = (mod, type(value)(value))
-    return state
+def _show(value: Any) -> str:
+    if isinstance(value, ATOMS):
+        try:
+            text = repr(value)
+        except Exception:  # noqa: BLE001 - a repr that raises
+            text = f"<{type(value).__name__}>"
+        return text if len(text) <= 60 else text[:57] + "..."
+    try:
+        base = base_container(value)
+        if base is not None:
+            return f"a {type(value).__name__} of {base.__len__(value)}"
+    except Exception:  # noqa: BLE001
+        pass
+    return f"a {type(value).__name__}"
 
 
-def _restore_python_state(state: dict) -> None:
-    for (_, attr), (mod, saved) in state.items():
-        current = vars(mod).get(attr)
-        if isinstance(saved, (list, dict, set)) and type(current) is type(saved):
-            current.clear()
-            current.update(saved) if not isinstance(saved, list) else current.extend(saved)
-        else:
-            setattr(mod, attr, saved)
-
-
-def _changes(before: dict, after: dict) -> list[str]:
+def _changes(before: dict, after: dict, paths: dict) -> list[str]:
+    """What differs between two :func:`_summaries`, as ``path.attr: old -> new``."""
     out = []
-    for key, (_, old) in before.items():
-        new = after.get(key, (None, "<deleted>"))[1]
-        if repr(old) != repr(new):
-            path, attr = key
-            out.append(f"{path or 'the model'}.{attr}: {old!r} -> {new!r}"[:160])
+    for key in list(before) + [k for k in after if k not in before]:
+        mod, a, shown_a = before.get(key, (None, "<absent>", "<absent>"))
+        mod2, b, shown_b = after.get(key, (None, "<deleted>", "<deleted>"))
+        if a != b:
+            path = paths.get(id(mod if mod is not None else mod2), "")
+            out.append(f"{path or 'the model'}.{key[1]}: {shown_a} -> {shown_b}"[:160])
     return out
 
 
-def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: Any) -> None:
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: Any,
+                                              front_end: str = "fx") -> str | None:
     """Raise when running the forward again changes a plain-Python attribute of a submodule.
 
     A checkpointed segment runs its forward a second time during backward,
     so a forward that counts calls or appends to a list would do it twice
-    per step. The forward runs twice on a fake-tensor copy of the model (no
+    per step (and a graph captured by ``torch.export`` would not do it at
+    all). The forward runs twice on a fake-tensor copy of the model (no
     memory, the model itself is not touched); a change between the first
     and the second run (not a one-time lazy initialization) is an error.
+    Attributes of any type are compared by :func:`describe_value` (no user
+    ``__eq__`` or ``__repr__`` is called).
+
+    Returns a note for ``explain()`` when the check could not run: the model's own
+    Python forward reads a tensor's value, which fake tensors do not have, in code the
+    ``torch.export`` graph does not contain (a check transformers skips while compiling).
     """
+    name = type(model).__name__
     fake = fake_copy(model, normalize_inputs(example_inputs))
     copy = fake.model
     try:
-        with fake.mode, torch.no_grad():
+        with quiet_fake_errors(), fake.mode, torch.no_grad():
             fake.inputs.call(copy)
-            first = _python_state(copy)
+            first = _summaries(python_state(copy))
             fake.inputs.call(copy)
     except Exception as exc:
+        construct = data_dependent_construct(exc)
+        line = source_line(exc)
+        if construct is not None and front_end != "fx":
+            return (f"the check for Python side effects in forward was skipped: the forward, run outside "
+                    f"torch.export, reads a tensor's value{' at ' + line if line else ''}")
         raise TraceError(
-            f"running {type(model).__name__} on the example inputs failed: {type(exc).__name__}: {exc}. "
-            "Check that the example inputs match what the model's forward expects (number, shapes, dtypes).",
-            node=type(model).__name__,
+            f"{name} was captured, but running its forward again on a fake-tensor copy (ckptopt's check for "
+            f"Python side effects in forward) failed: {_first_line(exc)}{' at ' + line if line else ''}. If the forward runs on these inputs outside ckptopt, skip the "
+            "check: ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
+            node=name,
         ) from exc
-    changed = _changes(first, _python_state(copy))
+    changed = _changes(first, _summaries(python_state(copy)), {id(m): p for p, m in copy.named_modules()})
     if changed:
+        why = ("Checkpointing runs a segment's forward again during backward, so that change would happen "
+               "twice per training step." if front_end == "fx" else
+               "The module ckptopt returns runs the graph torch.export captured, which holds tensor operations "
+               "only, so that change would not happen in training at all.")
         raise TraceError(
             f"the forward of {type(model).__name__} changes Python state each time it runs "
-            f"({'; '.join(changed[:3])}). Checkpointing runs a segment's forward again during backward, "
-            "so that change would happen twice per training step. Keep such state out of forward "
+            f"({'; '.join(changed[:3])}). {why} Keep such state out of forward "
             "(count steps in the training loop), or, if running it twice is harmless, rewrite "
             "explicitly with ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
             node=changed[0].split(":")[0],

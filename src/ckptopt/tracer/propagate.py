@@ -8,8 +8,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import TraceError
-from ..torch_utils import Inputs
+from ..torch_utils import (FAKE_VALUES_NOTE, REWRITE_HINT, Inputs, data_dependent_construct,
+                           own_checkpointing_hint, source_line)
 from ..tracker import StorageTracker
+from .capture.base import module_path
 
 __all__ = ["FakeRecorder", "autocast_cache_bytes"]
 
@@ -20,11 +22,31 @@ class FakeRecorder(fx.Interpreter):
     def __init__(self, gm):
         super().__init__(gm)
         self.values: dict[fx.Node, Any] = {}
+        self.extra_traceback = False  # the errors below name the node themselves
+
+    def _describe(self, n: fx.Node) -> str:
+        if n.op == "call_module":
+            try:
+                kind = type(self.module.get_submodule(n.target)).__name__
+            except AttributeError:
+                kind = "module"
+            return f"submodule {n.target!r} ({kind}, one opaque layer)"
+        where = module_path(n)
+        return f"graph node {n.name} ({n.target}{', in ' + where if where else ''})"
 
     def run_node(self, n):
         try:
             out = super().run_node(n)
         except Exception as exc:
+            construct = data_dependent_construct(exc)
+            if construct is not None:
+                line = source_line(exc, n.meta.get("stack_trace"))
+                raise TraceError(
+                    f"ckptopt cannot measure {self._describe(n)}: it runs {construct}"
+                    f"{' at ' + line if line else ''}. {FAKE_VALUES_NOTE}. What to do: {REWRITE_HINT}, "
+                    f"or {own_checkpointing_hint()}.",
+                    node=n.name,
+                ) from exc
             raise TraceError(
                 f"running node {n.format_node()} on the example inputs failed: {type(exc).__name__}: {exc}. "
                 "Check that the example inputs match what the model expects (shapes, dtypes, devices).",

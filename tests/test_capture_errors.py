@@ -1,0 +1,331 @@
+"""Models and batches ckptopt cannot take as they are: each gets its own clear error, and the
+model's state survives the attempt.
+
+* the model's Python state is copied and restored whatever its type (diffusers' FrozenDict, a
+  dataclass, a container whose ``__eq__``/``__repr__`` raise), and Python side effects are
+  found inside such objects too;
+* a fake-tensor run takes the path the real run takes (``aten._grouped_mm``: the CPU kernel
+  takes float32, the meta function wants bfloat16), so MoE models plan and train;
+* a batch the model itself rejects gets the model's own error, not a capture failure;
+* a forward that reads a tensor's value gets a TraceError naming the construct, its source line
+  and what to do, without torch.export's partial graph on stderr.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ckptopt import TraceError, measure_peak, optimize_checkpoints
+from ckptopt.torch_utils import fake_mode, python_state, restore_python_state
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+X = torch.randn(4, 8)
+
+
+# --------------------------------------------------------------------------
+# Python state of any type
+# --------------------------------------------------------------------------
+class Frozen(dict):
+    """Like diffusers' FrozenDict: a dict whose mutators refuse."""
+
+    def _refuse(self, *a, **k):
+        raise Exception(f"You cannot use this on a {type(self).__name__} instance.")
+
+    update = pop = setdefault = __delitem__ = __setitem__ = clear = _refuse
+
+
+class Loud:
+    """An object whose comparison and repr raise."""
+
+    def __eq__(self, other):
+        raise RuntimeError("no comparing")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+    __hash__ = object.__hash__
+
+
+@dataclasses.dataclass
+class Stats:
+    calls: int = 0
+    seen: list = dataclasses.field(default_factory=list)
+
+
+class Odd(nn.Module):
+    def __init__(self, count=False):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.config = Frozen(width=8, act="tanh")
+        self.loud = Loud()
+        self.loud_list = [Loud(), 1.5, float("nan")]
+        self.stats = Stats()
+        self.count = count
+
+    def forward(self, x):
+        if self.count:
+            self.stats.calls += 1  # a side effect inside a dataclass
+        return torch.tanh(self.lin(x)) * (self.config["width"] / 8)
+
+
+def test_state_of_any_type_is_copied_and_restored():
+    model = nn.Sequential(Odd(), nn.Linear(8, 8), Odd(), nn.Linear(8, 4))
+    config, items = model[0].config, dict(model[0].config)
+    opt = optimize_checkpoints(model, X, solver="every")
+    assert model[0].config is config and dict(config) == items and isinstance(config, Frozen)
+    opt(X).pow(2).mean().backward()
+    assert model[0].lin.weight.grad is not None
+
+
+def test_side_effect_inside_a_dataclass_is_found_and_undone():
+    model = nn.Sequential(Odd(count=True), nn.Linear(8, 4))
+    stats = model[0].stats
+    with pytest.raises(TraceError, match=r"changes Python state each time it runs \(0\.stats: .*twice"):
+        optimize_checkpoints(model, X)
+    assert model[0].stats is stats and stats == Stats()  # FX ran the forward on the model: restored
+
+
+def test_restore_refills_in_place_whatever_the_container_allows():
+    class Holder(nn.Module):
+        pass
+
+    mod = Holder()
+    mod.frozen = Frozen(a=1)
+    mod.items = [1, 2]
+    mod.stats = Stats()
+    frozen, items, stats = mod.frozen, mod.items, mod.stats
+    state = python_state(mod)
+    dict.__setitem__(frozen, "b", 2)  # changed behind its back: only the C type can undo it
+    items.append(3)
+    stats.calls = 5
+    mod.items = ["rebound"]
+    mod.added = "new"
+    restore_python_state(state)  # never raises
+    assert mod.frozen is frozen and dict(frozen) == {"a": 1}
+    assert mod.items is items and items == [1, 2]
+    assert mod.stats is stats and stats.calls == 0
+    assert not hasattr(mod, "added")
+
+
+
+def _diffusers_model(name):
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    if name == "UNet2DConditionModel":
+        model = diffusers.UNet2DConditionModel(
+            sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+        batch = {"sample": torch.randn(1, 4, 16, 16), "timestep": torch.tensor([10]),
+                 "encoder_hidden_states": torch.randn(1, 8, 32)}
+    elif name == "AutoencoderKL":
+        model = diffusers.AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 64), layers_per_block=1,
+            latent_channels=4, norm_num_groups=8, sample_size=16)
+        batch = {"sample": torch.randn(1, 3, 16, 16)}
+    else:
+        model = diffusers.SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+            joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4)
+        batch = {"hidden_states": torch.randn(1, 4, 16, 16), "encoder_hidden_states": torch.randn(1, 8, 32),
+                 "pooled_projections": torch.randn(1, 16), "timestep": torch.tensor([10])}
+    return model.train(), batch
+
+
+@pytest.mark.parametrize("name", ["UNet2DConditionModel", "AutoencoderKL", "SD3Transformer2DModel"])
+def test_diffusers_models_plan_and_train_identically(name):
+    """Their config is a FrozenDict (restoring it used to raise, after emptying it)."""
+    model, batch = _diffusers_model(name)
+    ref = copy.deepcopy(model)
+    config = dict(model.config)
+    loss = lambda out: out.sample.float().pow(2).mean()  # noqa: E731
+    opt = optimize_checkpoints(model, batch, loss_fn=loss)
+    assert dict(model.config) == config
+    torch.manual_seed(0)
+    a = loss(ref(**batch))
+    a.backward()
+    torch.manual_seed(0)
+    b = loss(opt(**batch))
+    b.backward()
+    assert torch.equal(a, b)
+    theirs = dict(ref.named_parameters())
+    assert all(torch.equal(p.grad, theirs[k].grad) for k, p in model.named_parameters() if p.grad is not None)
+    model.zero_grad(set_to_none=True)
+    measured = measure_peak(opt, batch, loss_fn=loss)
+    assert abs(measured - opt.predicted_peak_bytes) <= 0.01 * opt.predicted_peak_bytes
+
+
+# --------------------------------------------------------------------------
+# fake runs follow the real kernel (MoE experts: aten._grouped_mm)
+# --------------------------------------------------------------------------
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+
+
+@pytest.mark.skipif(grouped_mm is None, reason="torch without grouped_mm")
+def test_fake_grouped_mm_takes_the_cpu_kernels_checks():
+    offs = torch.tensor([3, 7, 10], dtype=torch.int32)
+    for a, b in [(torch.randn(10, 8), torch.randn(3, 8, 16)),  # float32: the CPU kernel takes it
+                 (torch.randn(10, 8, dtype=torch.float16), torch.randn(3, 8, 16, dtype=torch.float16))]:
+        real = grouped_mm(a, b, offs=offs)
+        with fake_mode() as mode:
+            fake = grouped_mm(mode.from_tensor(a), mode.from_tensor(b), offs=mode.from_tensor(offs))
+        assert (fake.shape, fake.dtype, fake.stride()) == (real.shape, real.dtype, real.stride())
+    a, b = torch.randn(10, 6), torch.randn(3, 6, 6)  # rows of 24 bytes: both refuse alike
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"):
+        grouped_mm(a, b, offs=offs)
+    with pytest.raises(RuntimeError, match="multiple of 16 bytes"), fake_mode() as mode:
+        grouped_mm(mode.from_tensor(a), mode.from_tensor(b), offs=mode.from_tensor(offs))
+
+
+def _mixtral():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                     num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
+                                     num_local_experts=4, num_experts_per_tok=2, use_cache=False)
+    return transformers.MixtralForCausalLM(cfg).train()
+
+
+def _ids(seed, batch=2, seq=64):
+    ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def test_moe_plans_trains_identically_and_is_predicted():
+    model = _mixtral()
+    ref = copy.deepcopy(model)
+    batch = _ids(1)
+    opt = optimize_checkpoints(model, batch)
+    assert opt.plan.checkpoints
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        a = ref(**batch).loss
+        a.backward()
+        torch.manual_seed(seed)
+        b = opt(**batch).loss
+        b.backward()
+        assert torch.equal(a, b)
+        theirs = dict(ref.named_parameters())
+        for k, p in model.named_parameters():
+            assert torch.equal(p.grad, theirs[k].grad), k
+        with torch.no_grad():
+            for m in (ref, model):
+                for p in m.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+    other = _ids(7)  # expert routing depends on the data; the sizes do not (grouped experts)
+    measured = measure_peak(opt, other)
+    assert abs(measured - opt.predicted_peak_bytes) <= 0.01 * opt.predicted_peak_bytes
+
+
+# --------------------------------------------------------------------------
+# a batch the model rejects: the model's own error
+# --------------------------------------------------------------------------
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("batch, kind, match", [
+    ({"input_idz": IDS, "labels": IDS}, ValueError,
+     r"LlamaForCausalLM rejects the example batch: ValueError: You must specify exactly one of input_ids or "
+     r"inputs_embeds \(the batch: input_idz: \(2, 16\) int64, labels: \(2, 16\) int64\).*fix the batch"),
+    ({"input_ids": IDS, "labels": IDS[:, :8]}, ValueError,
+     r"rejects the example batch: ValueError: Expected input batch_size \(32\) to match target batch_size \(16\)"),
+    ({"input_ids": IDS.float(), "labels": IDS}, ValueError,
+     r"rejects the example batch: RuntimeError: Expected tensor for argument #1 'indices'.*input_ids: \(2, 16\) float32"),
+], ids=["unknown-key", "labels-shape", "ids-dtype"])
+def test_batch_the_model_rejects(batch, kind, match):
+    model = _llama()
+    with pytest.raises(kind, match=match) as info:
+        optimize_checkpoints(model, batch)
+    assert not isinstance(info.value, TraceError) and "torch.fx" not in str(info.value)
+
+
+def test_batch_a_plain_module_rejects():
+    class Keyed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, **batch):  # FX cannot trace len(); export fails on the missing key
+            assert len(batch) >= 1
+            return self.lin(batch["x"])
+
+    with pytest.raises(ValueError, match=r"Keyed rejects the example batch: KeyError: 'x' \(the batch: y: \(4, 8\)"):
+        optimize_checkpoints(Keyed(), {"y": X})
+    optimize_checkpoints(Keyed(), {"x": X})  # the right key plans
+
+
+# --------------------------------------------------------------------------
+# a forward that reads a tensor's value
+# --------------------------------------------------------------------------
+class Branch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.mean() > 0:
+            h = h * 2
+        return h
+
+
+def test_value_read_in_an_opaque_submodule():
+    """FX makes the submodule an opaque layer, but fake tensors have no value to branch on there either."""
+    model = nn.Sequential(nn.Linear(8, 8), Branch(), nn.Linear(8, 4))
+    with pytest.raises(TraceError, match=r"cannot measure submodule '1' \(Branch, one opaque layer\): it runs a value "
+                                         r"read from a tensor .*test_capture_errors.py:\d+ in forward: `if h.mean\(\) > 0:`"
+                                         r".*What to do: rewrite that line.*torch.utils.checkpoint") as info:
+        optimize_checkpoints(model, X)
+    assert info.value.node == "_1" and "While executing" not in str(info.value)
+
+
+def test_value_read_in_an_exported_graph():
+    """Flaubert asserts `lengths.max().item() <= slen`: torch.export proves it (lengths count tokens) and keeps
+    the .item() in the graph; a fake run cannot read it."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.FlaubertConfig(n_layers=2, emb_dim=64, n_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.FlaubertWithLMHeadModel(cfg).train()
+    ids = torch.randint(5, 256, (2, 16))
+    with pytest.raises(TraceError, match=r"cannot measure graph node item \(aten.item.default, in transformer\): it runs "
+                                         r"a value read from a tensor \(`.item\(\)`.*modeling_flaubert.py:\d+ in forward: "
+                                         r"`assert lengths.max\(\).item\(\) <= slen`.*What to do: rewrite that line"):
+        optimize_checkpoints(model, {"input_ids": ids, "labels": ids})
+
+
+def test_transformers_model_with_a_value_check(capfd):
+    """Wav2Vec2ForCTC checks its labels against the vocabulary with an `if` on a tensor."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.Wav2Vec2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                      vocab_size=32, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(cfg).train()
+    batch = {"input_values": torch.randn(2, 1600), "labels": torch.randint(1, 32, (2, 10))}
+    with pytest.raises(TraceError, match=r"cannot capture Wav2Vec2ForCTC: its forward runs a Python branch.*"
+                                         r"GuardOnDataDependentSymNode.*modeling_wav2vec2.py:\d+ in forward: "
+                                         r"`if labels is not None and labels.max\(\) >= self.config.vocab_size:`.*"
+                                         r"model.gradient_checkpointing_enable"):
+        optimize_checkpoints(model, batch)
+    err = capfd.readouterr().err
+    assert "def forward(self" not in err  # torch.export's partial graph is not printed
