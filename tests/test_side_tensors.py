@@ -32,7 +32,7 @@ def plans(n, stored_too=True):
 @given(side_costs(max_n=7))
 def test_simulator_agrees_with_the_reference(c):
     for plan, stored in plans(c.n):
-        assert simulate(c, plan, stored).peak_bytes == reference_peak(c, plan, stored), (plan, stored)
+        assert simulate(c, plan, stored).peak_bytes == reference_peak(c, plan, stored), (plan, stored, c.to_json(indent=None))
 
 
 @settings(max_examples=300, **SETTINGS)
@@ -82,3 +82,13 @@ def test_side_tensors_survive_json():
     base = dict(a=[1] * 4, p=[0] * 4, sin=[0] * 4, sout=[0] * 4, m=[0] * 4, f=[1] * 4, b=[1] * 4)
     c = ChainCosts(**base, side=[SideTensor(7, 0, (2, 3), (3,), 9, "enc")])
     assert ChainCosts.from_json(c.to_json()) == c
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(side_costs(max_n=7))
+def test_timeline_peak_is_the_simulated_peak(c):
+    from ckptopt.simulator import simulate_timeline
+
+    for plan, stored in plans(c.n):
+        events = simulate_timeline(c, plan, stored)
+        assert max(e.bytes for e in events) == simulate(c, plan, stored).peak_bytes, (plan, stored)

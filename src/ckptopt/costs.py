@@ -37,6 +37,14 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
            gradient), which stays alive whole. Default: ``a[i]``
+``groot[i]`` (optional) the layer whose output gradient's storage holds layer ``i``'s
+           (``i``, or a later layer that handed it a view): a side tensor's gradient that
+           views the same storage is counted once. Default: ``i``
+``gh[i]``  (optional) what layer ``i``'s backward peak gains when its output gradient
+           outlives it (a side tensor's gradient viewing that storage keeps it). Default: 0
+``fpre[i]``, ``fpost[i]`` (optional, together) layer ``i``'s backward peak, relative as ``b``,
+           before and from the moment its last saved tensor is released (a checkpoint's
+           frame goes then, and the side tensors only it holds). Default: none known
 ``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
            counts (a static model input, a parameter): a checkpointed segment holding it
            keeps its checkpoint, and its backward triggers the recomputation. Default: False
@@ -302,6 +310,10 @@ class ChainCosts:
         cb: Sequence[int] | None = None,
         unit: str = "flops",
         side: Sequence[SideTensor | Mapping[str, Any]] | None = None,
+        groot: Sequence[int] | None = None,
+        gh: Sequence[int] | None = None,
+        fpre: Sequence[int] | None = None,
+        fpost: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -318,6 +330,15 @@ class ChainCosts:
             values["g"] = g
         if holds is not None:
             values["holds"] = holds
+        if groot is not None:
+            values["groot"] = groot
+        if gh is not None:
+            values["gh"] = gh
+        if (fpre is None) != (fpost is None):
+            raise InvalidCosts("fields 'fpre' and 'fpost' go together: give both or neither", field="fpre")
+        if fpre is not None:
+            values["fpre"] = fpre
+            values["fpost"] = fpost
         self._init("full", values, static, names, c, cb, unit)
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
@@ -342,6 +363,20 @@ class ChainCosts:
                 z = np.zeros(self.n, dtype=np.int64)
                 z.setflags(write=False)
                 self._fields[flag] = z
+        if gh is None:
+            z = np.zeros(self.n, dtype=np.int64)
+            z.setflags(write=False)
+            self._fields["gh"] = z
+        if groot is None:
+            r = np.arange(self.n, dtype=np.int64)
+            r.setflags(write=False)
+            self._fields["groot"] = r
+        bad = np.flatnonzero((self._fields["groot"] < np.arange(self.n)) | (self._fields["groot"] >= self.n))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidCosts(f"field 'groot' index {i}: {int(self._fields['groot'][i])} is not a layer in {i}..{self.n - 1} "
+                               "(the layer whose output gradient's storage holds layer i's: itself or a later one)",
+                               field="groot", index=i)
         self.side = side_tensors(self.n, side)
 
     # -- construction -------------------------------------------------------
@@ -461,7 +496,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "g", "holds"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "g", "holds", "groot", "gh", "fpre", "fpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -472,7 +507,8 @@ class ChainCosts:
             return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
-                       side=data.get("side"))
+                       side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
+                       fpre=layers.get("fpre"), fpost=layers.get("fpost"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -507,6 +543,8 @@ class ChainCosts:
             "layers": {
                 k: [bool(x) for x in v] if k in _FLAG_FIELDS else [int(x) for x in v]
                 for k, v in self._fields.items()
+                if not (k == "groot" and np.array_equal(v, np.arange(len(v))))  # (the defaults)
+                and not (k == "gh" and not v.any())
             },
         }
         if self.names is not None:
@@ -581,7 +619,8 @@ class ChainCosts:
     @cached_property
     def side_arrays(self) -> SideArrays:
         """The side tensors as arrays for the compiled kernels (:class:`SideArrays`; built once)."""
-        return SideArrays.build(self.n, self.side)
+        return SideArrays.build(self.n, self.side, self._fields["groot"], self._fields["gh"],
+                                self._fields.get("fpre"), self._fields.get("fpost"))
 
     # -- derived quantities (used by the simulator and the solvers) -------------
     @cached_property

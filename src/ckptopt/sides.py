@@ -52,6 +52,15 @@ class SideTensor:
         Bytes of its gradient's storage (None: ``bytes``; 0: it needs no gradient).
     name : str
         A label (the graph node), for display.
+    saved_pre, saved_post : tuple of int
+        Per layer of ``saved_by`` (optional): that layer's backward peak (relative, as its
+        ``b``) before and from the moment its saved reference to this tensor is released: a
+        layer that is the last to hold it frees it mid-backward. Empty: held to the end.
+    grad_view : int
+        -1, or the layer whose output gradient's storage its gradient is a view of (a
+        concatenation's backward hands each input a slice of its output gradient): one
+        storage, counted once however many tensors' gradients view it, and not where it is
+        that layer's chain gradient already (``ChainCosts.groot``).
     """
 
     bytes: int
@@ -60,10 +69,21 @@ class SideTensor:
     saved_by: tuple[int, ...] = ()
     grad: int | None = None
     name: str = ""
+    grad_view: int = -1
+    saved_pre: tuple[int, ...] = ()
+    saved_post: tuple[int, ...] = ()
 
     @property
     def grad_bytes(self) -> int:
         return self.bytes if self.grad is None else self.grad
+
+    def grad_storage(self, i: int) -> tuple[tuple, int]:
+        """(key, bytes) of the storage its gradient lives in while layer ``i``'s backward runs
+        (producer <= i < last consumer). A view of a layer's output gradient lasts until the
+        next contribution is summed in (at the next consumer), which makes a storage of its own."""
+        if self.grad_view >= 0 and i >= (self.consumers[-2] if len(self.consumers) > 1 else self.producer):
+            return ("view", self.grad_view), self.grad_bytes
+        return ("own", id(self)), (self.bytes if self.grad_view >= 0 else self.grad_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"bytes": int(self.bytes), "producer": int(self.producer),
@@ -73,6 +93,11 @@ class SideTensor:
             out["grad"] = int(self.grad)
         if self.name:
             out["name"] = self.name
+        if self.grad_view >= 0:
+            out["grad_view"] = int(self.grad_view)
+        if self.saved_pre:
+            out["saved_pre"] = [int(x) for x in self.saved_pre]
+            out["saved_post"] = [int(x) for x in self.saved_post]
         return out
 
 
@@ -103,9 +128,18 @@ class SideArrays(NamedTuple):
     blist: np.ndarray
     bgrad: np.ndarray
     rside: np.ndarray
+    svptr: np.ndarray
+    svu: np.ndarray
+    svpre: np.ndarray
+    svpost: np.ndarray
+    hasrel: np.ndarray
+    fpre: np.ndarray
+    fpost: np.ndarray
 
     @classmethod
-    def build(cls, n: int, side: Sequence[SideTensor]) -> "SideArrays":
+    def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
+              gh: Sequence[int] | None = None, fpre: Sequence[int] | None = None,
+              fpost: Sequence[int] | None = None) -> "SideArrays":
         m = len(side)
         sa = [t.bytes for t in side]
         sg = [t.grad_bytes for t in side]
@@ -131,11 +165,33 @@ class SideArrays(NamedTuple):
             bptr.append(len(blist))
         bgrad = np.zeros(n, dtype=np.int64)
         rside = np.zeros(n, dtype=np.int64)
-        for j in range(m):
-            if sg[j]:
-                bgrad[sp[j]:smax[j]] += sg[j]  # p <= i < last consumer
-                rside[sp[j] + 1:smax[j]] += sg[j]  # p < t < last consumer
-        arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside]
+        for i in range(n):
+            chain_key = ("view", int(groot[i]) if groot is not None else i)  # layer i's output gradient
+            for out, lo in ((bgrad, 0), (rside, 1)):  # live: p <= i (backward), p < i (recomputation)
+                keys: dict[tuple, int] = {}
+                outlives = False
+                for j, t in enumerate(side):
+                    if sg[j] and sp[j] + lo <= i < smax[j]:
+                        key, size = t.grad_storage(i)
+                        if key != chain_key:  # (that one is the chain gradient the kernels count ...)
+                            keys[key] = max(keys.get(key, 0), size)
+                        else:
+                            outlives = True
+                # ... but it then outlives the layer's backward, which its b assumed freed
+                out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
+        svptr, svu, svpre, svpost, hasrel = [0], [], [], [], []
+        for t in side:
+            svu.extend(t.saved_by)
+            svpre.extend(t.saved_pre or [0] * len(t.saved_by))
+            svpost.extend(t.saved_post or [0] * len(t.saved_by))
+            hasrel.append(1 if t.saved_pre else 0)
+            svptr.append(len(svu))
+        have = fpre is not None and fpost is not None
+        fp = list(fpre) if have else [0] * n
+        fq = list(fpost) if have else [0] * n
+        hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
+        arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
+                  svptr, svu, svpre, svpost, hasrel, fp, fq]
         out = []
         for x in arrays:
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -154,12 +210,14 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
     for k, t in enumerate(side):
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
-            unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name"}
+            unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
+                                "saved_pre", "saved_post"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
                 t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
-                               t.get("grad"), str(t.get("name", "")))
+                               t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
+                               tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -188,7 +246,18 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if grad is not None and 0 < grad < size:
             raise InvalidCosts(f"{where}: grad {grad} is smaller than the tensor ({size}); the gradient's storage "
                                "is at least its size, or 0 when it needs none", field="side", index=k)
-        out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name))
+        view = t.grad_view
+        if isinstance(view, bool) or not isinstance(view, (int, np.integer)) or not (view == -1 or 0 <= view < n):
+            raise InvalidCosts(f"{where}: grad_view {view!r} is not -1 or a layer index", field="side", index=k)
+        pre, post = tuple(int(x) for x in t.saved_pre), tuple(int(x) for x in t.saved_post)
+        if (pre or post) and not (len(pre) == len(post) == len(t.saved_by)):
+            raise InvalidCosts(f"{where}: saved_pre and saved_post need one entry per saved_by layer", field="side",
+                               index=k)
+        if pre:  # in the order of the sorted saved_by
+            order = sorted(range(len(t.saved_by)), key=lambda q: int(t.saved_by[q]))
+            pre, post = tuple(pre[q] for q in order), tuple(post[q] for q in order)
+        out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
+                              pre, post))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

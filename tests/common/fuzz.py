@@ -255,3 +255,72 @@ def specs(draw, max_nodes: int = 10) -> Spec:
         shapes.append(_out_shape(node, shapes[inputs[0]], shapes))
     return Spec(family, dtype, batch, shape, tuple(nodes), classes=draw(st.integers(1, 4)),
                 input_requires_grad=draw(st.integers(0, 4)) == 0)
+
+
+@st.composite
+def stream_specs(draw, max_len: int = 6) -> Spec:
+    """Random models where several tensors cross layer boundaries (docs/design.md §4):
+
+    * ``two-tower``: two chains from the input, joined at the end (a CLIP-like model: the
+      first tower's output waits while the second runs);
+    * ``enc-dec``: an encoder chain whose output every few decoder ops read again (added,
+      multiplied or concatenated: an encoder output read by each decoder layer);
+    * ``skip``: one chain with long skip connections (values read again several ops later).
+
+    Values keep one shape (``C`` channels or ``F`` features; a concatenation is followed by a
+    1x1 convolution or a linear layer back to it), so any two may be joined.
+    """
+    family = draw(st.sampled_from(["conv", "mlp"]))
+    kind = draw(st.sampled_from(["two-tower", "enc-dec", "skip"]))
+    dtype = draw(st.sampled_from(["float32", "float32", "float64"]))
+    batch = draw(st.integers(2, 4))
+    if family == "conv":
+        width = draw(st.integers(2, 6))
+        shape: tuple = (width, 4, 4)
+    else:
+        width = draw(st.integers(4, 24))
+        shape = (width,)
+    unary = ["dropout", "bn", "relu", "gelu", "tanh", "silu"] + (
+        ["conv3", "conv1", "gn"] if family == "conv" else ["linear", "ln"])
+    nodes: list[Node] = []
+
+    def add(op: str, inputs: tuple) -> int:
+        w = width if op in ("conv3", "conv1", "linear") else 0
+        inplace = ""
+        if op in _INPLACE_OK and draw(st.integers(0, 4)) == 0:
+            inplace = draw(st.sampled_from(_INPLACE))
+        nodes.append(Node(op, inputs, w, inplace))
+        if op == "cat":  # back to the common width
+            nodes.append(Node("conv1" if family == "conv" else "linear", (len(nodes),), width, ""))
+        return len(nodes)
+
+    def chain(src: int, k: int) -> int:
+        for _ in range(k):
+            src = add(draw(st.sampled_from(unary)), (src,))
+        return src
+
+    def join(a: int, b: int) -> int:
+        op = draw(st.sampled_from(["add", "mul", "cat"]))
+        return add(op, (a, b) if draw(st.booleans()) else (b, a))
+
+    if kind == "two-tower":
+        a = chain(0, draw(st.integers(1, max_len)))
+        b = chain(0, draw(st.integers(1, max_len)))
+        out = chain(join(a, b), draw(st.integers(0, 2)))
+    elif kind == "enc-dec":
+        enc = chain(0, draw(st.integers(1, max_len)))
+        dec = chain(0, draw(st.integers(1, 2)))
+        for _ in range(draw(st.integers(1, 4))):
+            dec = chain(join(dec, enc), draw(st.integers(1, 2)))
+        out = dec
+    else:
+        out = add(draw(st.sampled_from(unary)), (0,))
+        for _ in range(draw(st.integers(2, max_len + 2))):
+            back = [j for j in range(1, out - 1)]
+            if back and draw(st.integers(0, 9)) < 4:
+                out = join(out, draw(st.sampled_from(back)))
+            else:
+                out = add(draw(st.sampled_from(unary)), (out,))
+    del out
+    return Spec(family, dtype, batch, shape, tuple(nodes), classes=draw(st.integers(1, 3)),
+                input_requires_grad=False)

@@ -71,10 +71,25 @@ def _full(c, checkpoints, stored):
         # an a-byte output gradient)
         size[f"r{t}"] = rg[t] + g[t] - a[t]
     size["x-1"] = 0  # the model input lives in the static bytes
+    groot = [int(x) for x in c.groot]  # the storage layer t's output gradient lives in
+    for i in range(n):
+        size[f"gh{i}"] = int(c.gh[i])
     for j, t in enumerate(side):
         size[f"s{j}"] = t.bytes
         size[f"sr{j}"] = t.bytes
-        size[f"sg{j}"] = t.grad_bytes
+        # a side gradient that views a layer's output gradient (a concatenation's slice) is that
+        # storage, one token for every tensor viewing it, until the next consumer's contribution
+        # is summed in: then a storage of its own (the tensor's size)
+        if t.grad_view >= 0:
+            size[f"sgv{t.grad_view}"] = max(size.get(f"sgv{t.grad_view}", 0), t.grad_bytes)
+            size[f"sg{j}"] = t.bytes
+        else:
+            size[f"sg{j}"] = t.grad_bytes
+
+    def side_grad_token(j, i):
+        t = side[j]
+        split = t.consumers[-2] if len(t.consumers) > 1 else t.producer
+        return f"sgv{t.grad_view}" if t.grad_view >= 0 and i >= split else f"sg{j}"
 
     def saved(i):
         s = {f"m{i}"}
@@ -103,18 +118,20 @@ def _full(c, checkpoints, stored):
     # The copy lives while the forward still needs it (to its last consumer, or to the end of a
     # checkpointed consumer segment, whose call holds its arguments), and while any holder has not
     # let go; a release counts after the releasing layer's backward.
-    release = []  # per side tensor: the smallest releasing layer (None: never held)
+    release = []  # per side tensor: the smallest releasing layer (None: never held) ...
+    release_kind = []  # ... and who lets go there: "own" (a layer's saved reference) or "frame"
     fend = []  # the last forward layer that needs it
     for t in side:
         rho = []
         for k, (l, r) in enumerate(segs):
             if unwrapped[k]:
-                rho += [u for u in t.saved_by if l <= u <= r]
+                rho += [(u, "own") for u in t.saved_by if l <= u <= r]
             elif t.producer < l and any(l <= u <= r for u in t.consumers):
                 first = next((i for i in range(l, r + 1) if saves_anything(i)), None)
                 if first is not None:
-                    rho.append(first)
-        release.append(min(rho) if rho else None)
+                    rho.append((first, "frame"))
+        release.append(min(rho)[0] if rho else None)
+        release_kind.append(min(rho)[1] if rho else None)
         ku = seg_of[t.consumers[-1]]
         lu, ru = segs[ku]
         fend.append(ru if not unwrapped[ku] and t.producer < lu else t.consumers[-1])
@@ -122,16 +139,53 @@ def _full(c, checkpoints, stored):
     def side_forward(i):
         return {f"s{j}" for j, t in enumerate(side) if t.producer < i and (i <= fend[j] or release[j] is not None)}
 
+    has_frame = "fpre" in c.to_dict()["layers"]
+
+    def gain(x, pre, post):
+        """What x bytes present until a moment of a layer's backward add to its peak."""
+        return max(pre + x, post) - max(pre, post)
+
+    def side_released(i, rec_side=()):
+        """(tokens let go mid-way through layer i's backward, what they add to its peak)."""
+        tokens, add, frame = set(), 0, 0
+        for j, t in enumerate(side):
+            if release[j] == i:
+                tokens.add(f"s{j}")
+                if release_kind[j] == "frame":
+                    frame += t.bytes
+                else:
+                    add += own_gain(j, i, t.bytes)
+        for tok, first in rec_side:
+            if first == i:
+                tokens.add(tok)
+                add += own_gain(int(tok[2:]), i, size[tok])
+        if frame:
+            add += gain(frame, int(c.fpre[i]), int(c.fpost[i])) if has_frame else frame
+        return tokens, add
+
+    def own_gain(j, u, x):
+        t = side[j]
+        if not t.saved_pre:
+            return x
+        q = t.saved_by.index(u)
+        return gain(x, t.saved_pre[q], t.saved_post[q])
+
     def side_backward(i):
         """Forward copies and gradients live while layer i's backward runs."""
         live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and i >= release[j]}
-        live |= {f"sg{j}" for j, t in enumerate(side) if t.producer <= i < t.consumers[-1] and t.grad_bytes}
+        live |= {side_grad_token(j, i) for j, t in enumerate(side)
+                 if t.producer <= i < t.consumers[-1] and t.grad_bytes}
+        if f"sgv{groot[i]}" in live:  # layer i's own output gradient is the chain's g{i}, which then
+            live.discard(f"sgv{groot[i]}")  # outlives the layer's backward: its gh more
+            live.add(f"gh{i}")
         return live
 
     def side_recompute(k, trigger, e, i):
         """Side tensors live while layer i of segment k is recomputed (its backward started at trigger)."""
         live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and trigger >= release[j]}
-        live |= {f"sg{j}" for j, t in enumerate(side) if t.producer < trigger < t.consumers[-1] and t.grad_bytes}
+        live |= {side_grad_token(j, trigger) for j, t in enumerate(side)
+                 if t.producer < trigger < t.consumers[-1] and t.grad_bytes}
+        live -= {f"sgv{groot[trigger]}"}  # the trigger's output gradient (its r{trigger})
         l, r = segs[k]
         for j, t in enumerate(side):
             p = t.producer
@@ -139,18 +193,19 @@ def _full(c, checkpoints, stored):
                 continue
             # the recomputed copy lives to its last consumer the recomputation runs, or to the
             # stop when a later segment reads it (the segment returns it), or a layer saves it
-            saved = any(p <= u <= e for u in t.saved_by)
+            saved = any(p <= u <= trigger for u in t.saved_by)  # (its packs are re-done, run or not)
             if t.consumers[-1] > r or saved or t.consumers[-1] > e or i <= t.consumers[-1]:
                 live.add(f"sr{j}")
         return live
 
-    def side_saved_after_recompute(k, e):
-        """Recomputed side tensors a layer of segment k saves: (token, first saver)."""
+    def side_saved_after_recompute(k, trigger, e):
+        """Recomputed side tensors a layer of segment k saves: (token, first saver). The
+        recomputation re-does every pack up to the last saving layer (trigger), run or not."""
         l, r = segs[k]
         out = []
         for j, t in enumerate(side):
             if l <= t.producer <= e:
-                savers = [u for u in t.saved_by if t.producer <= u <= e]
+                savers = [u for u in t.saved_by if t.producer <= u <= trigger]
                 if savers:
                     out.append((f"sr{j}", min(savers)))
         return out
@@ -197,7 +252,9 @@ def _full(c, checkpoints, stored):
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
             while top >= l and not saves_anything(top):
-                peak = max(peak, total(held | grads | {f"g{top}"} | side_backward(top)) + (b_first if top == l else b[top]))
+                gone, add = side_released(top)
+                peak = max(peak, total((held | grads | {f"g{top}"} | side_backward(top)) - gone) + add
+                           + (b_first if top == l else b[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -222,7 +279,7 @@ def _full(c, checkpoints, stored):
             stop = max(events + dropped) if events else None
             # the last layer the recomputation runs (a last input pack is not run)
             stop_layer = -1 if stop is None else (stop[0] if stop[1] == 1 else stop[0] - 1)
-            rec_side = side_saved_after_recompute(k, stop_layer) if stop is not None else []
+            rec_side = side_saved_after_recompute(k, top, stop_layer) if stop is not None else []
             seg_saved = set()
             for i in range(l, r + 1):
                 if stop is None or (i, 0) == stop or i > stop[0]:
@@ -242,7 +299,8 @@ def _full(c, checkpoints, stored):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"} | side_backward(i)
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
-            peak = max(peak, total(live) + (b_first if i == l else b[i]))
+            gone, add = side_released(i, rec_side if not unwrapped[k] else ())
+            peak = max(peak, total(live - gone) + add + (b_first if i == l else b[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

@@ -87,7 +87,12 @@ def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
         savers = [u for u in [p] + cons if draw(st.booleans())]
         size = draw(st.integers(0, hi))
         grad = draw(st.one_of(st.none(), st.just(0), st.integers(size, size + hi)))
-        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad))
+        view = draw(st.one_of(st.just(-1), st.sampled_from(cons))) if grad != 0 else -1
+        pre = post = ()
+        if savers and draw(st.booleans()):  # the savers' backward peaks before / from the release
+            pre = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+            post = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post))
     return out
 
 
@@ -99,4 +104,14 @@ def side_costs(draw, max_n: int = 9, max_value: int = 100):
     side = draw(side_tensors(base.n, hi))
     d = base.to_dict()
     d["side"] = [t.to_dict() for t in side]
+    # which layers' output gradients are views of a later layer's (a concatenation's backward)
+    groot = list(range(base.n))
+    for i in range(base.n - 2, -1, -1):
+        if draw(st.booleans()) and draw(st.booleans()):
+            groot[i] = groot[i + 1]
+    d["layers"]["groot"] = groot
+    d["layers"]["gh"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+    if draw(st.booleans()):
+        d["layers"]["fpre"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+        d["layers"]["fpost"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
     return ChainCosts.from_dict(d)

@@ -12,7 +12,9 @@ consumer ``smax``), the holding rule:
   that saves it (let go with its backward). The producer's own checkpointed segment holds
   nothing: its recomputation makes a new copy, which lives to its last recomputed consumer,
   or to the stop when a later segment reads it, or to the backward of the first layer
-  that saves it. A release counts after the releasing layer's backward;
+  that saves it (up to the segment's last saving layer, whose input packs the
+  recomputation re-does even when it does not run its compute). A release counts after
+  the releasing layer's backward;
 * **gradient**: from the backward of its last consumer to its producer's (``bgrad``,
   ``rside`` of :class:`ckptopt.costs.SideArrays`, independent of the plan).
 
@@ -54,6 +56,36 @@ def _first_saver(SD, j, lo, hi):
 
 
 @njit(cache=True)
+def _release_add(SD, j, u, sa):
+    """What side tensor ``j`` (``sa`` bytes) adds to layer ``u``'s backward when ``u``'s saved
+    reference is the last to let it go: present until that moment of the backward (its peaks
+    before and from it, ``svpre``/``svpost``), ``sa`` throughout when they are not known."""
+    if SD.hasrel[j] == 0:
+        return sa
+    for q in range(SD.svptr[j], SD.svptr[j + 1]):
+        if SD.svu[q] == u:
+            pre = SD.svpre[q]
+            post = SD.svpost[q]
+            top = pre if pre > post else post
+            v = pre + sa
+            return (v if v > post else post) - top
+    return sa
+
+
+@njit(cache=True)
+def _frame_add(SD, u, x):
+    """What ``x`` bytes held by a checkpoint's frame add to layer ``u``'s backward, the frame going
+    when ``u``'s last saved tensor is released (``x`` throughout when that moment is not known)."""
+    if SD.hasrel[SD.hasrel.shape[0] - 1] == 0:
+        return x
+    pre = SD.fpre[u]
+    post = SD.fpost[u]
+    top = pre if pre > post else post
+    v = pre + x
+    return (v if v > post else post) - top
+
+
+@njit(cache=True)
 def _reads_in(SD, j, lo, hi):
     for q in range(SD.cptr[j], SD.cptr[j + 1]):
         u = SD.cu[q]
@@ -86,6 +118,7 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
         for i in range(l, e + 1):
             radd[i] = SD.rside[trigger]
     held = 0
+    frame = 0  # side bytes the checkpoint's frame holds
     b0 = SD.bptr[l]
     for k in range(SD.bptr[l + 1] - b0):
         j = SD.blist[b0 + k]
@@ -110,8 +143,12 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
         if hold:
             for i in range(l, e + 1):
                 radd[i] += sa
-            for i in range(rho, r + 1):
+            for i in range(rho + 1, r + 1):
                 badd[i] += sa
+            if unwrapped:  # let go mid-backward by the layer that saves it
+                badd[rho] += _release_add(SD, j, rho, sa)
+            else:  # ... or with the frame, with the first saving layer's last saved tensor
+                frame += sa
             held += sa
             mark[j] = 1
     for p in range(l, r + 1):
@@ -127,23 +164,27 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
                     if i <= fend or hold:
                         fadd[i] += sa
                 if hold:
-                    for i in range(rho, r + 1):
+                    for i in range(rho + 1, r + 1):
                         badd[i] += sa
+                    badd[rho] += _release_add(SD, j, rho, sa)
                     held += sa
                     mark[j] = 1
             else:
                 for i in range(p + 1, fend + 1):
                     fadd[i] += sa
-                if p <= e:  # recomputed: a new copy
-                    rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, e)
+                if p <= e:  # recomputed: a new copy, packed again by every layer that saves it
+                    rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, trigger)
                     rend = smax
                     if smax > r or rho >= 0 or smax > e:
                         rend = e
                     for i in range(p + 1, rend + 1):
                         radd[i] += sa
                     if rho >= 0:
-                        for i in range(rho, trigger + 1):
+                        for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
+                        badd[rho] += _release_add(SD, j, rho, sa)
+    if frame:
+        badd[fsv] += _frame_add(SD, fsv, frame)
     # the mask at r + 1, and the marks cleared
     S2 = 0
     b1 = SD.bptr[r + 1]

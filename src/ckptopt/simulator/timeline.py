@@ -26,7 +26,7 @@ from typing import Iterable
 
 from ..costs import ChainCosts, KernelArrays
 from ..plan import segment_bounds
-from . import kernels
+from . import kernels, streams
 from .peak import checked_plan
 
 __all__ = ["TimelineEvent", "simulate_timeline"]
@@ -144,9 +144,14 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
     held = []
     kept_in = []  # the previous segment is stored and keeps this one's input
     own = []  # the checkpoint each segment holds itself
+    adds = []  # per segment: what side tensors add to each forward, recompute, backward term
     forward: list[TimelineEvent] = []
     total = 0
     prev_keeps = False
+    mask = 0
+    if costs.has_side:
+        SD = costs.side_arrays
+        fadd, radd, badd, marks = streams.side_scratch(costs.n, len(costs.side))
     for k, (l, r) in enumerate(segs):
         unwrapped = k == m - 1 or l in kept
         c = 0 if prev_keeps else int(kernels.held_checkpoint(l, r, unwrapped, full, K))
@@ -154,10 +159,18 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         held.append(total)
         kept_in.append(prev_keeps)
         own.append(c)
+        side_held = 0
+        if costs.has_side:
+            side_held, mask = streams.side_terms(l, r, unwrapped, mask, K, SD, fadd, radd, badd, marks)
+            adds.append((fadd.copy(), radd.copy(), badd.copy()))
+        else:
+            adds.append(None)
         if full:
             live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
             base = costs.static + total
-            forward += [TimelineEvent(ph, i, k, base + v) for ph, i, v in _forward(l, r, unwrapped, K, live_in)]
+            forward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 0, i))
+                        for ph, i, v in _forward(l, r, unwrapped, K, live_in)]
+        total += int(side_held)
         prev_keeps = False
         if unwrapped and k < m - 1:  # a stored segment keeps what its layers save for every later one
             total += int(K.P[r] - K.P[l] + K.keep[r])
@@ -173,5 +186,11 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
             events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
             events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])
-        backward += [TimelineEvent(ph, i, k, base + v) for ph, i, v in events]
+        backward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 1 if ph == "recompute" else 2, i))
+                     for ph, i, v in events]
     return forward + backward
+
+
+def _add(terms, phase: int, i: int) -> int:
+    """What side tensors add to the term of layer ``i`` (phase 0 forward, 1 recompute, 2 backward)."""
+    return 0 if terms is None else int(terms[phase][i])

@@ -32,55 +32,13 @@ from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, n
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
-from .cuts import WithLoss, candidate_groups, op_label, subgraph_module
-from .layer_costs import LayerMeasurement, forward_flops, measure_layer
+from .cuts import candidate_groups
+from .streams import layer_streams, merge_aliased, merge_outputless
+from .layers import Layer, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
 from .statics import place_statics, static_nodes
 
 __all__ = ["trace", "TracedModel", "Layer"]
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of the chain: the graph nodes between two candidate cuts.
-
-    Attributes
-    ----------
-    index : int
-    name : str
-        A readable label (the module path, or the first and last nodes).
-    nodes : tuple of str
-        FX node names in execution order (``"<loss>"`` for the loss layer).
-    ops : tuple of str
-        What each node runs (module type or function name).
-    input_node, output_node : str
-        The tensor entering the layer (its checkpoint when a segment starts
-        here) and the one leaving it.
-    costs : LayerMeasurement
-        The measured chain-model quantities.
-    static_inputs : tuple of str
-        Static values the layer also reads (model inputs that need no gradient,
-        masks computed from them): held for the whole step, not checkpoints.
-    flops : int
-        Forward compute: floating-point operations from
-        ``torch.utils.flop_counter``, plus one per output element of every
-        other non-view op (elementwise ops, norms, pooling). The cost
-        model's ``c``.
-    """
-
-    index: int
-    name: str
-    nodes: tuple[str, ...]
-    ops: tuple[str, ...]
-    input_node: str
-    output_node: str
-    costs: LayerMeasurement
-    flops: int = 0
-    static_inputs: tuple[str, ...] = ()
-
-    @property
-    def op(self) -> str:
-        return self.ops[0] if len(self.ops) == 1 else f"{self.ops[0]}..{self.ops[-1]} ({len(self.ops)} ops)"
 
 
 @dataclass
@@ -177,6 +135,7 @@ def trace(
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
+    max_crossing: int = 1,
 ) -> TracedModel:
     """Trace ``model`` into a chain cost model without allocating activations.
 
@@ -229,11 +188,11 @@ def trace(
     check_capture_mode(capture)
     inputs = check_model_and_inputs(model, example_inputs)
     captured = capture_graph(model, inputs, capture, leaf_modules)
-    return trace_captured(model, captured, inputs, loss_fn)
+    return trace_captured(model, captured, inputs, loss_fn, max_crossing)
 
 
 def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
-                   loss_fn: Callable | None = None) -> TracedModel:
+                   loss_fn: Callable | None = None, max_crossing: int = 1) -> TracedModel:
     """The cost model of an already captured graph at these inputs' shapes (no new capture):
     what :func:`trace` runs after its capture stage, and what re-prices a plan at other shapes."""
     inputs = normalize_inputs(example_inputs)
@@ -264,71 +223,24 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     derived = captured.front_end != "fx"
     static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
                                                            if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
-    groups = candidate_groups(fake_gm, values, static)
+    groups = candidate_groups(fake_gm, values, static, max_crossing)
     hoisted: list[fx.Node] = []
     if derived:
-        placed, hoisted = place_statics([g for g, _ in groups], static, values)
-        groups = [(members, first) for members, (_, first) in zip(placed, groups)]
-    groups = [g for g in groups if g[0]]  # (empty: made only of hoisted or moved nodes)
-    if derived:  # op-level graphs: assertions and same-dtype casts between blocks are no layers
-        groups = _merge_pass_through(groups, values)
-    readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
-
+        groups, hoisted = place_statics(groups, static, values)
+    groups = [g for g in groups if g]  # (empty: made only of hoisted or moved nodes)
     out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
+    # op-level graphs: assertions and same-dtype casts between blocks are no layers
+    groups = merge_aliased(groups, static, values, out_node, always=derived)
+    groups = merge_outputless(groups, static, values, out_node)
+    readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
+    streams = layer_streams(groups, static, values, out_node)
+
     model_output = out_node.args[0]
     single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
 
-    layers: list[Layer] = []
-    param_owner: dict[int, int] = {}
-    built = []
-    for j, (members, first_in) in enumerate(groups):
-        last = j == len(groups) - 1
-        output = model_output if last else groups[j + 1][1]
-        x_node, statics = _layer_inputs(members, first_in if j else None, readable, values, placeholders)
-        body = subgraph_module(fake_gm, members, [x_node] + statics, output, values)
-        module = body if not (last and not single_output) else WithLoss(body, loss_fn, captured.rebuild)
-        for p in module.parameters():
-            param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
-        built.append((members, x_node, statics, output, module))
-    with fake_mode, torch.enable_grad():
-        for j, (members, x_node, statics, output, module) in enumerate(built):
-            x, extra = values[x_node], [values[s] for s in statics]
-            # a tied or reused weight whose gradient a later layer already created
-            existing = [p for p in module.parameters() if p.requires_grad and param_owner[id(p)] > j]
-            try:
-                # an input the previous layer saves stays alive through this layer's backward, and
-                # so does the model input (the caller holds it); measure_layer also gives the
-                # figures with the input held by nothing else (bf) and by a checkpoint (bk)
-                keep = bool(not layers or layers[-1].costs.sout)
-                kw = dict(input_requires_grad=bool(x.requires_grad), grads_exist=existing,
-                          leaf_input=bool(x.requires_grad and x.is_leaf), static_inputs=extra)
-                m = measure_layer(module, x, keep_input=keep, **kw)
-            except Exception as exc:
-                raise TraceError(
-                    f"measuring layer {members[0].name}..{members[-1].name} failed: {type(exc).__name__}: {exc}",
-                    node=members[0].name,
-                ) from exc
-            name = _layer_name(fake_gm, members) if captured.front_end == "fx" else _path_name(members)
-            layers.append(Layer(j, name, tuple(n.name for n in members),
-                                tuple(op_label(fake_gm, n) for n in members),
-                                x_node.name, (output.name if isinstance(output, fx.Node) else "<output>"), m,
-                                forward_flops(module, x, extra), tuple(s.name for s in statics)))
-        if single_output:
-            y = values[model_output]
-            loss_layer = WithLoss(None, loss_fn)
-            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout))
-            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
-                                forward_flops(loss_layer, y)))
-
-    # the storage each layer's output gradient lives in: a view of a larger tensor when the next
-    # layer's backward hands out a slice (a concatenation's), kept whole while the layer runs
-    grad_store = [l.costs.a for l in layers]
-    for i in range(len(layers) - 1, 0, -1):
-        m = layers[i].costs
-        if m.gin_is_out:
-            grad_store[i - 1] = max(grad_store[i - 1], grad_store[i])
-        elif m.gin is not None:
-            grad_store[i - 1] = max(grad_store[i - 1], m.gin)
+    layers, side, grad_store, grad_root, param_owner = measure_layers(
+        fake_gm, fake_mode, groups, streams, readable, values, placeholders, captured, loss_fn, model_output,
+        single_output)
     # parameter bytes are charged to the last layer that uses them (tied weights once)
     fake_params = {id(p): p for p in fake_gm.parameters()}
     p_bytes = [0] * len(layers)
@@ -351,105 +263,16 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         g=grad_store,
         dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
-        names=[l.name for l in layers], c=[l.flops for l in layers],
+        names=[l.name for l in layers], c=[l.flops for l in layers], side=side,
+        groot=grad_root if side else None, gh=[l.costs.gh for l in layers] if side else None,
     )
     graph = _nx_graph(gm, values, fake_gm)
     constants = {n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)}
-    read = {name for l in layers for name in (l.input_node, *l.static_inputs)}
+    read = {name for l in layers for name in (l.input_node, *l.static_inputs, *l.side_inputs)}
     tensor_meta = {n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
                    if n.name in read and isinstance(v, torch.Tensor)}
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
                        inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta)
-
-
-def _merge_pass_through(groups: list[tuple[list[fx.Node], fx.Node | None]],
-                        values: dict) -> list[tuple[list[fx.Node], fx.Node | None]]:
-    """Join a group whose output is its own input (a storage alias: an assertion, a cast to the
-    same dtype, a view) to the next one: a layer that hands on its input is no layer."""
-    out: list[tuple[list[fx.Node], fx.Node | None]] = []
-    for members, first in groups:
-        if out and first is not None and out[-1][1] is not None and _same_storage(
-                values.get(first), values.get(out[-1][1])):
-            out[-1] = (out[-1][0] + members, out[-1][1])
-        else:
-            out.append((members, first))
-    return out
-
-
-def _same_storage(a: Any, b: Any) -> bool:
-    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a is b or torch._C._is_alias_of(a, b))
-
-
-def _layer_inputs(members: list[fx.Node], first_in: fx.Node | None, readable: set[fx.Node], values: dict,
-                  placeholders: list[fx.Node]) -> tuple[fx.Node, list[fx.Node]]:
-    """The layer's chain input and the static values it reads besides (in first-read order).
-
-    After a cut the chain input is the tensor crossing it. The first layer's is the model
-    input that requires grad (at most one), else the first static tensor it reads.
-    """
-    own = set(members)
-    reads: list[fx.Node] = []
-    for n in members:
-        for a in n.all_input_nodes:
-            if a not in own and a not in reads and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor):
-                reads.append(a)
-    if first_in is None:
-        grad = [a for a in reads if a.op == "placeholder" and values[a].requires_grad]
-        if len(grad) > 1:
-            raise TraceError(
-                f"the model takes several inputs that require grad ({', '.join(a.name for a in grad)}); the chain "
-                "model gives the first layer one such input: wrap the model so that one tensor requiring grad "
-                "goes in (e.g. the inputs concatenated), or detach the others",
-                node=members[0].name,
-            )
-        candidates = grad or [a for a in reads if a in readable]
-        if not candidates:
-            raise TraceError("the first layer reads no tensor input; pass the batch as tensors",
-                             node=members[0].name)
-        first_in = candidates[0]
-    return first_in, [a for a in reads if a is not first_in and a in readable]
-
-
-def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
-    mods = [str(n.target) for n in members if n.op == "call_module"]
-    if mods:
-        prefix = _common_prefix(mods)
-        if prefix and len(mods) > 1:
-            return prefix
-        return mods[0] if len(mods) == 1 and len(members) <= 2 else f"{mods[0]}..{mods[-1]}" if len(mods) > 1 else mods[0]
-    return members[0].name if len(members) == 1 else f"{members[0].name}..{members[-1].name}"
-
-
-def _path_name(members: list[fx.Node]) -> str:
-    """A layer's name from the module paths its nodes ran in (op-level graphs): the deepest
-    module holding all of them (``model.layers.3``), with the first and last of its children
-    the layer covers when that module is split over several layers (``transformer.h.0 (ln_2..mlp)``);
-    a layer of root-level ops is named after them (its loss, when it computes one)."""
-    paths = [p for p in (module_path(n) for n in members) if p]
-    if not paths:
-        last = members[-1].name
-        return f"loss ({last})" if "loss" in last else (
-            last if len(members) == 1 else f"{members[0].name}..{last}")
-    distinct = list(dict.fromkeys(paths))
-    # glue ops of an enclosing module (a residual add in the block itself) do not name the layer
-    paths = [p for p in distinct if not any(q.startswith(p + ".") for q in distinct)]
-    prefix = _common_prefix(paths)
-    if len(paths) == 1:
-        return paths[0]
-    depth = len(prefix.split(".")) if prefix else 0
-    children = list(dict.fromkeys(p.split(".")[depth] for p in paths))
-    inner = children[0] if len(children) == 1 else f"{children[0]}..{children[-1]}"
-    return f"{prefix} ({inner})" if prefix else inner
-
-
-def _common_prefix(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
-    out = []
-    for xs in zip(*parts):
-        if len(set(xs)) != 1:
-            break
-        out.append(xs[0])
-    return ".".join(out)
 
 
 def _nx_graph(gm: fx.GraphModule, values: dict, fake_gm: fx.GraphModule) -> nx.DiGraph:

@@ -1,15 +1,16 @@
 """Candidate cuts: where the chain of layers may be cut, and the layers between cuts.
 
 Nodes are taken in the graph's topological order. A cut before node ``k`` is a
-candidate when exactly one tensor produced by earlier nodes is used at or after
-``k`` (its *live set*), that tensor is not the input of a view or in-place op at
-``k`` (so a segment never starts by aliasing its checkpoint), and no model input
-is used after it. Then everything a later segment needs from earlier ones is that
-one tensor, and the chain model (``docs/design.md`` §3) is exact for plans made of
-these cuts: each group of nodes between two candidate cuts is one *layer*. For a
-chain (VGG, an MLP) every node boundary qualifies; for a ResNet or a transformer
-the cuts fall between residual blocks; a DenseNet is cut between dense blocks,
-and a U-Net only where no skip connection is open.
+candidate when at most ``max_crossing`` tensors produced by earlier nodes are used
+at or after ``k`` (its *live set*), none is the input of a view or in-place op at
+``k`` (so a segment never starts by aliasing what crosses into it), and no model
+input is used after it. Each group of nodes between two candidate cuts is one
+*layer*. With one tensor crossing, everything a later segment needs from earlier
+ones is that tensor (the chain model, ``docs/design.md`` §3): in a ResNet or a
+transformer the cuts fall between residual blocks, a DenseNet is cut between dense
+blocks, a U-Net only where no skip connection is open. With several, the others are
+side tensors (§4): the encoder output between decoder layers, a skip connection's
+source, the first tower's output while the second runs.
 """
 
 from __future__ import annotations
@@ -42,17 +43,17 @@ def _aliases(out: Any, args: list[torch.Tensor]) -> bool:
     return any(torch._C._is_alias_of(o, a) for o in outs for a in args)
 
 
-def candidate_groups(gm: fx.GraphModule, values: dict,
-                     static: set[fx.Node] = frozenset()) -> list[tuple[list[fx.Node], fx.Node | None]]:
-    """Split the op nodes into groups at candidate cuts.
+def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = frozenset(),
+                     max_crossing: int = 1) -> list[list[fx.Node]]:
+    """Split the op nodes into groups (the layers) at candidate cuts.
 
-    ``static``: nodes whose values are static (:mod:`ckptopt.tracer.statics`): they
-    never count in a live set, so any layer may read them. A model input that
-    requires grad is not static; no cut is offered while it is still to be read.
-
-    Returns ``[(nodes, input_node), ...]``: the input of a group after the first is
-    the single tensor live at its cut; that of the first group is the model's
-    tensor input when it has exactly one, else None.
+    A cut before op ``k`` is a candidate when between 1 and ``max_crossing`` tensors computed
+    before ``k`` are used at or after it (its *live set*; ``static`` nodes never count: any
+    layer may read them), each requires grad, no two share a storage, none is the input of a
+    view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it),
+    and no model input that requires grad is still to be read. With ``max_crossing=1`` this
+    is the single-tensor chain of docs/design.md §4; above, the tensors crossing a cut besides
+    the chain tensor are side tensors (:class:`ckptopt.costs.SideTensor`).
     """
     nodes = list(gm.graph.nodes)
     ops = [n for n in nodes if n.op in OPS]
@@ -79,30 +80,20 @@ def candidate_groups(gm: fx.GraphModule, values: dict,
         if is_tensor_value(prev) and prev not in static and last_use.get(prev, -1) >= k:
             live.add(prev)
         live = {n for n in live if last_use.get(n, -1) >= k}
-        if len(live) != 1 or k <= input_last:
+        if not 1 <= len(live) <= max_crossing or k <= input_last:
             continue
-        (only,) = live
-        v = values.get(only)
-        if not isinstance(v, torch.Tensor) or not v.requires_grad:
+        vals = [values.get(n) for n in live]
+        if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in vals):
             continue
+        if any(torch._C._is_alias_of(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]):
+            continue  # a view crossing with its base: one storage, two tensors
         nxt = ops[k]
         args = [values[a] for a in nxt.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
         if _aliases(values.get(nxt), args):
-            continue  # a view or in-place op of the live tensor: keep it with its producer
+            continue  # a view or in-place op of a live tensor: keep it with its producer
         cuts.append(k)
     bounds = [0] + cuts + [len(ops)]
-    groups = []
-    for j in range(len(bounds) - 1):
-        members = ops[bounds[j]:bounds[j + 1]]
-        if j == 0:
-            tensor_inputs = [n for n in inputs if is_tensor_value(n)]
-            first_in = tensor_inputs[0] if len(tensor_inputs) == 1 else None
-        else:
-            # the single live tensor at the cut
-            first_in = next(n for n in ops[: bounds[j]] if n not in static and last_use.get(n, -1) >= bounds[j]
-                            and isinstance(values.get(n), torch.Tensor))
-        groups.append((members, first_in))
-    return groups
+    return [ops[bounds[j]:bounds[j + 1]] for j in range(len(bounds) - 1)]
 
 
 def subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node | list[fx.Node] | None,

@@ -48,6 +48,16 @@ class LayerMeasurement:
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
     gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
     holds: bool = False
+    side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
+    side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
+    side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
+    side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
+    side_in_grad_shares: tuple = ()  # ... one storage with the chain input's gradient ("main") or another's
+    gh: int = 0  # what the peak of the backward gains when the output gradient outlives it
+    frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
+    frame_post: int | None = None
+    side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
+    side_out_release: tuple = ()  # per side output: the same
 
     @property
     def saved_bytes(self) -> int:
@@ -74,9 +84,14 @@ class _FreshInput(torch.autograd.Function):
         # the storage the input gradient lives in: a view of the output gradient (a
         # concatenation's backward hands out slices of it) keeps all of that storage alive
         s = grad.untyped_storage()
-        out = ctx.record.get("out")
+        main = ctx.record.get("out_of", ctx.record)  # (a side input's record points to the chain input's)
+        out = main.get("out")
         ctx.record["in_bytes"] = s.nbytes()
         ctx.record["in_is_out"] = out is not None and out() is s
+        # input gradients that are views of one storage (a concatenation's slices of it)
+        seen = main.setdefault("grad_storages", [])
+        ctx.record["shares"] = next((tag for ref, tag in seen if ref() is s), None)
+        seen.append((weakref.ref(s), ctx.record.get("tag", "main")))
         return None, None, None
 
 
@@ -100,6 +115,55 @@ class InjectGrad(torch.autograd.Function):
         g = torch.ones_like(ctx.template, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
         ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
+        if "on_free" in ctx.record:  # when the engine lets it go
+            weakref.finalize(g.untyped_storage(), ctx.record["on_free"]).atexit = False
+        return g, None
+
+
+class _SharedGrad(torch.autograd.Function):
+    """:class:`InjectGrad` for several outputs whose gradients are one storage in the model (an
+    addition after them hands each the same gradient, a concatenation a slice of one): one buffer
+    of ``nbytes``, a view of it per output."""
+
+    @staticmethod
+    def forward(ctx, record, nbytes, *ys):
+        ctx.templates = [torch.empty_like(y, device="meta") for y in ys]
+        ctx.device = ys[0].device
+        ctx.record = record
+        ctx.nbytes = nbytes
+        return ys[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        first = ctx.templates[0]
+        numel = max([ctx.nbytes // first.element_size()] + [t.numel() for t in ctx.templates])
+        base = torch.ones(numel, dtype=first.dtype, device=ctx.device)
+        outs = [base[: t.numel()].view(t.shape) if t.dtype == first.dtype else torch.ones_like(t, device=ctx.device)
+                for t in ctx.templates]
+        ctx.record["grad_bytes"] = base.untyped_storage().nbytes() + sum(
+            o.untyped_storage().nbytes() for o in outs if o.untyped_storage() is not base.untyped_storage())
+        ctx.record["out"] = weakref.ref(base.untyped_storage())
+        if "on_free" in ctx.record:
+            weakref.finalize(base.untyped_storage(), ctx.record["on_free"]).atexit = False
+        return (None, None, *outs)
+
+
+class _Pending(torch.autograd.Function):
+    """A side input's gradient that a later layer already made: its backward, run before the
+    layer's (created last), hands the input a zero gradient of its size, so the layer's own
+    contribution is summed out of place as in the model (where the engine buffers the first)."""
+
+    @staticmethod
+    def forward(ctx, t, record):
+        ctx.template = torch.empty_like(t, device="meta")
+        ctx.device = t.device
+        ctx.record = record
+        return t.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = torch.zeros_like(ctx.template, device=ctx.device)
+        ctx.record["pending"] = ctx.record.get("pending", 0) + g.untyped_storage().nbytes()
         return g, None
 
 
@@ -118,7 +182,7 @@ class _CastRecorder(TorchDispatchMode):
         return out
 
 
-def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor,
+def _autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
                            static_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The weight copies autocast caches when ``module`` runs (none outside autocast).
 
@@ -138,7 +202,7 @@ def _autocast_weight_casts(module: nn.Module, example_input: torch.Tensor,
     torch.clear_autocast_cache()
     recorder = _CastRecorder(params)
     with recorder:
-        module(example_input.detach().clone(), *static_inputs)
+        module(*[a.detach().clone() for a in args], *static_inputs)
     return recorder.casts
 
 
@@ -156,9 +220,12 @@ def _unpack(box: _Packed) -> torch.Tensor:
     return box.t
 
 
-def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires_grad: bool = True,
+def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_requires_grad: bool = True,
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
-                  leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = ()) -> LayerMeasurement:
+                  leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = (),
+                  side_inputs: Iterable[torch.Tensor] = (), side_pending: Iterable[bool] = (),
+                  side_outputs: int = 0, main_output: bool = True,
+                  shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = ()) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -205,6 +272,17 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         reproduced by a zero-valued branch whose gradient reaches them first,
         so ``b`` includes the out-of-place sum of the two contributions
         (a third tensor of the weight's size, as PyTorch 2.13's engine does).
+    side_inputs, side_pending : iterable of Tensor, iterable of bool, optional
+        Side tensors the layer reads besides its chain input (docs/design.md §4), in the
+        order of its arguments after the chain input: fresh copies that require grad when
+        the originals do, held through forward and backward (the simulator counts them;
+        none of the figures does). ``side_pending``: a later layer already made its
+        gradient, so this layer's contribution is summed out of place (:class:`_Pending`).
+        ``example_input`` may then be None: the layer reads no chain tensor.
+    side_outputs : int, default 0
+        The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
+        later layers read. Their gradients are injected with the chain output's and left
+        out of ``b`` like it; the simulator counts them.
 
     Returns
     -------
@@ -294,13 +372,19 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
     (8000, 80000, True, False, 0, 8000, 84000)
     """
     check_module(module, "measure_layer")
-    if not isinstance(example_input, torch.Tensor):
+    side_inputs = list(side_inputs)
+    side_pending = list(side_pending) or [False] * len(side_inputs)
+    plain = example_input is not None and not side_inputs and not side_outputs and main_output
+    if example_input is not None and not isinstance(example_input, torch.Tensor):
         raise TypeError(
             f"measure_layer takes one example input tensor, got {type(example_input).__name__}; "
             "measure_layer(layer, x) measures a layer with one tensor input and one tensor output"
         )
-    fake = is_fake(example_input)
-    dev = example_input.device if fake else resolve_device(module, [example_input], None, "measure_layer")
+    if example_input is None and not side_inputs and not list(static_inputs):
+        raise TypeError("measure_layer needs an input: the chain input, side inputs or static inputs")
+    probe_t = example_input if example_input is not None else (side_inputs + list(static_inputs))[0]
+    fake = is_fake(probe_t)
+    dev = probe_t.device if fake else resolve_device(module, [probe_t], None, "measure_layer")
     param_bytes, param_ptrs = storage_bytes(list(module.parameters()), fake=fake)
     buffer_bytes, buffer_ptrs = storage_bytes(list(module.buffers()), exclude=param_ptrs, fake=fake)
 
@@ -309,19 +393,33 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             gc.collect()
         static_inputs = list(static_inputs)
         static_bytes, static_ptrs = storage_bytes(static_inputs, fake=fake)
-        casts = _autocast_weight_casts(module, example_input, static_inputs)
+        casts = _autocast_weight_casts(module, ([example_input] if example_input is not None else []) + side_inputs,
+                                       static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
-        holder = [example_input.detach().clone()]
         record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
-        if input_requires_grad and leaf_input:
-            x = holder.pop().requires_grad_(True)
-        elif input_requires_grad:
-            anchor = torch.empty(0, device=dev, requires_grad=True)
-            x = _FreshInput.apply(anchor, holder, record)
-        else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
-            x = holder.pop()
-        x_ptr = storage_key(x.untyped_storage())
-        input_bytes = x.untyped_storage().nbytes()
+        record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
+        x = None
+        if example_input is not None:
+            holder = [example_input.detach().clone()]
+            if input_requires_grad and leaf_input:
+                x = holder.pop().requires_grad_(True)
+            elif input_requires_grad:
+                anchor = torch.empty(0, device=dev, requires_grad=True)
+                x = _FreshInput.apply(anchor, holder, record)
+            else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
+                x = holder.pop()
+        x_ptr = storage_key(x.untyped_storage()) if x is not None else None
+        input_bytes = x.untyped_storage().nbytes() if x is not None else 0
+        # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
+        side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
+        sides = []
+        for t, rec_t in zip(side_inputs, side_records):
+            h = [t.detach().clone()]
+            if t.requires_grad:
+                sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t))
+            else:
+                sides.append(h.pop())
+        side_ptrs = [storage_key(t.untyped_storage()) for t in sides]
 
         # Every pack event: (a weak reference to what autograd keeps, storage key or None,
         # bytes, forward peak so far). A saved tensor counts only if autograd still keeps it
@@ -333,9 +431,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         # else, or held only while the layer's saved tensors live (a checkpoint's frame), follow
         # from these moments (_backward_peaks).
         released: list[tuple[int, bool]] = []
+        released_keys: list[tuple[int, Any]] = []  # (timeline index, storage key) per saved tensor released
 
-        def on_release(holds_input: bool) -> None:
+        def on_release(holds_input: bool, key: Any) -> None:
             released.append((len(tracker.timeline), holds_input))
+            released_keys.append((len(tracker.timeline), key))
 
         def pack(t: torch.Tensor) -> _Packed:
             s = real_storage(t, fake)
@@ -343,7 +443,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
             key = storage_key(s) if s is not None and tracker.is_tracked(t) else None
             box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
-            weakref.finalize(box, on_release, key is not None and key == x_ptr).atexit = False
+            weakref.finalize(box, on_release, key is not None and key == x_ptr, key).atexit = False
             packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
             return box
 
@@ -357,13 +457,14 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         grads_exist = list(grads_exist)
         pending = storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
         tracker = StorageTracker(fake=fake, timeline=True)
-        tracker.register(module, x, *casts, *static_inputs)  # cached weight casts are static, like the weights
+        tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
         start = tracker.current_bytes
+        side_record: dict[str, Any] = {}  # the side outputs' injected gradients, the pending ones
         try:
             with tracker:
                 # forward
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = module(x, *static_inputs)
+                    y = module(*([x] if x is not None else []), *sides, *static_inputs)
                 forward_peak = tracker.peak_bytes
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
                 dead_packs = len(kept) < len(packs)
@@ -373,44 +474,117 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
                 # tensor its forward packed, a dead branch's too, and stops once it has re-packed
                 # as many, so a dead branch after the last kept save is re-run as well.
                 last_pack = packs[-1][3] if packs else None
-                if not isinstance(y, torch.Tensor):
+                if side_outputs or not main_output:
+                    outs = list(y) if isinstance(y, (tuple, list)) else [y]
+                    if len(outs) != side_outputs + bool(main_output):
+                        raise TypeError(f"the layer returned {len(outs)} values for {side_outputs} side outputs")
+                    y = outs[0] if main_output else None
+                    side_ys = outs[1:] if main_output else outs
+                else:
+                    side_ys = []
+                if main_output and not isinstance(y, torch.Tensor):
                     raise TypeError(
                         f"measure_layer needs a layer with one tensor output, got {type(y).__name__}"
                     )
-                if not y.requires_grad:
+                if y is not None and not y.requires_grad:
                     raise ValueError(
                         "the layer's output does not require grad (it is detached, or computed under "
                         "torch.no_grad()), so it has no backward pass to measure"
                     )
-                ys = real_storage(y, fake)
+                ys = real_storage(y, fake) if y is not None else None
                 y_ptr = storage_key(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
-                end = InjectGrad.apply(y, record)
-                if grads_exist:
-                    # A later layer's gradient for these weights reaches their AccumulateGrad
-                    # first and waits in the engine's input buffer; this layer's contribution
-                    # is then added out of place. A zero branch created last (so its backward
-                    # runs first) reproduces that; its buffered gradient is subtracted below,
-                    # since the chain model counts it among the later layer's gradients.
-                    end = end.sum() + sum((prm * 0).sum() for prm in grads_exist)
+                side_y_ptrs = [storage_key(real_storage(t, fake)) for t in side_ys]
+                if plain:
+                    end = InjectGrad.apply(y, record)
+                    if grads_exist:
+                        # A later layer's gradient for these weights reaches their AccumulateGrad
+                        # first and waits in the engine's input buffer; this layer's contribution
+                        # is then added out of place. A zero branch created last (so its backward
+                        # runs first) reproduces that; its buffered gradient is subtracted below,
+                        # since the chain model counts it among the later layer's gradients.
+                        end = end.sum() + sum((prm * 0).sum() for prm in grads_exist)
+                    roots = [end]
+                else:
+                    outs_all = ([y] if y is not None else []) + list(side_ys)
+                    side_injects = []
+                    roots = []
+                    grouped: set[int] = set()
+                    for members, nbytes in shared_out_grads:
+                        members = [k for k in members if outs_all[k].requires_grad]
+                        if len(members) < 2:
+                            continue
+                        rec = record if y is not None and 0 in members else {}
+                        if rec is not record:
+                            side_injects.append(rec)
+                        roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members]))
+                        grouped |= set(members)
+                    for k in range(len(outs_all)):
+                        if k in grouped or not outs_all[k].requires_grad:
+                            continue
+                        rec = record if y is not None and k == 0 else {}
+                        if rec is not record:
+                            side_injects.append(rec)
+                        roots.append(InjectGrad.apply(outs_all[k], rec))  # (no loop variable keeps an output)
+                    if grads_exist:
+                        roots.append(sum((prm * 0).sum() for prm in grads_exist))
+                    # created last, so run first: the gradient a later layer already made
+                    roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
+                              if p and t.requires_grad]
                 held_input = x  # held through the backward; see _backward_peaks for the other cases
-                del x, y, ys
+                held_sides = sides
+                del x, y, ys, side_ys
+                if not plain:
+                    del outs_all
                 # backward
                 backward_start = tracker.current_bytes
                 k0 = len(tracker.timeline)
                 released.clear()  # (a dead branch's saved tensors die in the forward)
+                released_keys.clear()
+                alive_keys: dict[Any, int] = {}
+                for ref, key, *_ in packs:
+                    if ref() is not None:
+                        alive_keys[key] = alive_keys.get(key, 0) + 1
                 alive = sum(ref() is not None for ref, *_ in packs)
                 alive_input = sum(ref() is not None and key is not None and key == x_ptr for ref, key, *_ in packs)
-                end.backward(torch.empty(0, device=dev) if end.dim() else None)
-                del end, held_input
+                if plain:
+                    end.backward(torch.empty(0, device=dev) if end.dim() else None)
+                    del end
+                elif roots:
+                    torch.autograd.backward(roots, [torch.empty(0, device=dev) if r.dim() else None for r in roots])
+                out_grads = record.get("grad_bytes", 0)
+                if not plain:
+                    out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
+                pending += side_record.get("pending", 0)
+                del roots, held_input, held_sides
                 peaks = _backward_peaks(tracker.timeline, k0, backward_start, input_bytes, released, alive,
                                         alive_input)
+                # (pre, post): the backward's peak before and from a moment on (relative as b is):
+                # when the layer's last saved tensor is released (a checkpoint's frame goes, and
+                # the side tensors it holds with it), and when each saved side tensor's last saved
+                # reference is (a layer that saves it lets it go)
+                series = _relative_series(tracker.timeline, k0, backward_start, input_bytes, released, alive,
+                                          alive_input, keep_input, out_grads + pending)
+                frame = _split(series, k0, _gone_at(released_keys, alive_keys, None))
+                side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
+                                 if alive_keys.get(key) else None) for key in side_ptrs]
+                side_out_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
+                                     if alive_keys.get(key) else None) for key in side_y_ptrs]
+                # the output gradient held to the end of the backward (a side tensor's gradient
+                # viewing its storage keeps it): what that adds to the peak
+                gh = 0
+                freed, gbytes = record.get("out_freed"), record.get("grad_bytes", 0)
+                if freed is not None and gbytes:
+                    live = [e[2] for e in tracker.timeline[k0:]] or [backward_start]
+                    held = [v + (gbytes if k0 + k >= freed else 0) for k, v in enumerate(live)]
+                    gh = max(0, max(held) - max(live))
         finally:
             tracker.detach()
 
     sout = y_ptr is not None and y_ptr in saved
-    sin = x_ptr in saved and x_ptr != y_ptr
-    other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {x_ptr, y_ptr}
+    sin = x_ptr is not None and x_ptr in saved and x_ptr != y_ptr
+    side_keys = set(side_ptrs) | set(side_y_ptrs)
+    other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {x_ptr, y_ptr} - side_keys
     return LayerMeasurement(
         a=int(a),
         p=int(param_bytes),
@@ -419,9 +593,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
         fs=int(last_pack - start) if last_pack is not None else 0,
-        b=int(peaks[0 if keep_input else 1] - record.get("grad_bytes", 0) - pending),
-        bf=int(peaks[1] - record.get("grad_bytes", 0) - pending),
-        bk=int(peaks[2] - record.get("grad_bytes", 0) - pending),
+        b=int(peaks[0 if keep_input else 1] - out_grads - pending),
+        bf=int(peaks[1] - out_grads - pending),
+        bk=int(peaks[2] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
         rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
@@ -429,7 +603,74 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor, input_requires
         holds=bool(kept) and not (sin or sout or other),
         buffer_bytes=int(buffer_bytes),
         input_bytes=int(input_bytes),
+        side_in_saved=tuple(k in saved for k in side_ptrs),
+        side_out_saved=tuple(k in saved for k in side_y_ptrs),
+        side_in_grad=tuple(r.get("in_bytes") for r in side_records),
+        side_in_grad_is_out=tuple(bool(r.get("in_is_out", False)) for r in side_records),
+        side_in_grad_shares=tuple(_shares(r, record) for r in side_records),
+        gh=int(gh),
+        frame_pre=int(frame[0]),
+        frame_post=int(frame[1]),
+        side_in_release=tuple(side_release),
+        side_out_release=tuple(side_out_release),
     )
+
+
+def _shares(side: dict, main: dict) -> str | int | None:
+    """Which input gradient a side input's gradient shares its storage with: "main" (the chain
+    input's), the index of another side input, or None; either order of arrival."""
+    if side.get("shares") is not None:
+        return side["shares"]
+    if main.get("shares") == side.get("tag"):
+        return "main"
+    return None
+
+
+def _gone_at(released_keys: list[tuple[int, Any]], alive_keys: dict, key: Any) -> int | None:
+    """The timeline index from which the saved tensors over storage ``key`` (every saved tensor when
+    ``key`` is None) are all released (None: never, within the backward)."""
+    count = sum(alive_keys.values()) if key is None else alive_keys.get(key, 0)
+    if count == 0:
+        return None
+    for index, k in released_keys:
+        if key is None or k == key:
+            count -= 1
+            if count == 0:
+                return index
+    return None
+
+
+def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, released: list[tuple[int, bool]],
+                     alive: int, alive_input: int, keep_input: bool, extra: int) -> list[int]:
+    """The live bytes of the backward as ``b`` counts them: above ``start`` less ``extra`` (the injected
+    output gradients, pending gradients), the chain input held (``keep_input``) or freed once the
+    last saved tensor over it is released; index 0 is the moment before the first operator."""
+    gone = len(timeline)
+    if not keep_input:
+        count = alive_input
+        gone = k0 if count == 0 else len(timeline)
+        for index, over_input in released:
+            if over_input and count:
+                count -= 1
+                if count == 0:
+                    gone = index
+                    break
+    out = [-(input_bytes if gone <= k0 else 0) - extra]
+    for k in range(k0, len(timeline)):
+        out.append(timeline[k][2] - start - (input_bytes if k >= gone else 0) - extra)
+    return out
+
+
+def _split(series: list[int], k0: int, moment: int | None) -> tuple[int, int]:
+    """(max before ``moment``, max from it on) of ``series`` (index 0 before the backward, then the
+    timeline from ``k0``); a moment never reached gives (max, max)."""
+    if moment is None:
+        top = max(series)
+        return top, top
+    cut = max(0, min(len(series), moment - k0 + 1))
+    pre = max(series[:cut]) if cut else series[0]
+    post = max(series[cut:]) if cut < len(series) else series[-1]
+    return pre, post
 
 
 def _backward_peaks(timeline: list, k0: int, start: int, input_bytes: int, released: list[tuple[int, bool]],
@@ -462,7 +703,7 @@ def _backward_peaks(timeline: list, k0: int, start: int, input_bytes: int, relea
     return out[0], out[1], out[2]
 
 
-def forward_flops(module: nn.Module, x: torch.Tensor, static_inputs: Iterable[torch.Tensor] = ()) -> int:
+def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: Iterable[torch.Tensor] = ()) -> int:
     """Forward compute of a layer: FLOPs of the ops ``torch.utils.flop_counter``
     has a formula for (matmuls, convolutions, attention), plus one per output
     element of every other op that is not a view (elementwise ops, norms,
@@ -481,5 +722,5 @@ def forward_flops(module: nn.Module, x: torch.Tensor, static_inputs: Iterable[to
 
     _Elementwise.total = 0
     with torch.no_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
-        module(x.detach().clone(), *static_inputs)
+        module(*[a.detach().clone() for a in args], *static_inputs)
     return int(counter.get_total_flops()) + int(_Elementwise.total)

@@ -1,0 +1,344 @@
+"""Layers: each group of graph nodes built into a module and measured (docs/design.md §3-4).
+
+:func:`measure_layers` turns the groups between cuts into :class:`Layer` records: each a
+``GraphModule`` over the shared parameters taking its chain input, the side tensors it
+reads and the static values it reads, returning its chain output and the side tensors it
+computes, measured once on fake tensors (:func:`ckptopt.tracer.layer_costs.measure_layer`).
+A second pass re-measures the layers whose output gradients turn out to share one storage
+(an addition or a concatenation after them hands the same gradient to several of their
+outputs), so that their figures count it once; the side tensors follow from what each
+layer saves and from the storages its input gradients live in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ..costs import SideTensor
+from ..errors import TraceError
+from ..torch_utils import storage_nbytes
+from .capture import module_path
+from .cuts import WithLoss, op_label, subgraph_module
+from .layer_costs import LayerMeasurement, forward_flops, measure_layer
+from .streams import Streams
+
+__all__ = ["Layer", "measure_layers"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the chain: the graph nodes between two candidate cuts.
+
+    Attributes
+    ----------
+    index : int
+    name : str
+        A readable label (the module path, or the first and last nodes).
+    nodes : tuple of str
+        FX node names in execution order (``"<loss>"`` for the loss layer).
+    ops : tuple of str
+        What each node runs (module type or function name).
+    input_node, output_node : str
+        The chain tensor entering the layer (its checkpoint when a segment starts
+        here; "" when only side tensors cross into it) and the one leaving it.
+    costs : LayerMeasurement
+        The measured chain-model quantities.
+    static_inputs : tuple of str
+        Static values the layer also reads (model inputs that need no gradient,
+        masks computed from them): held for the whole step, not checkpoints.
+    side_inputs, side_outputs : tuple of str
+        The side tensors it reads and computes (:class:`ckptopt.costs.SideTensor`):
+        tensors crossing boundaries besides the chain tensor.
+    flops : int
+        Forward compute: floating-point operations from
+        ``torch.utils.flop_counter``, plus one per output element of every
+        other non-view op (elementwise ops, norms, pooling). The cost
+        model's ``c``.
+    """
+
+    index: int
+    name: str
+    nodes: tuple[str, ...]
+    ops: tuple[str, ...]
+    input_node: str
+    output_node: str
+    costs: LayerMeasurement
+    flops: int = 0
+    static_inputs: tuple[str, ...] = ()
+    side_inputs: tuple[str, ...] = ()
+    side_outputs: tuple[str, ...] = ()
+
+    @property
+    def op(self) -> str:
+        return self.ops[0] if len(self.ops) == 1 else f"{self.ops[0]}..{self.ops[-1]} ({len(self.ops)} ops)"
+
+
+def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx.Node]], streams: Streams,
+                   readable: set[fx.Node], values: dict, placeholders: list[fx.Node], captured: Any,
+                   loss_fn: Callable, model_output: Any, single_output: bool):
+    """``(layers, side, grad_store, grad_root, param_owner)``: the measured layers (the loss appended
+    when the model returns one tensor), the side tensors (:class:`ckptopt.costs.SideTensor`), per
+    layer the bytes of the storage its output gradient lives in and the layer whose output
+    gradient that storage is, and which layer creates each parameter's gradient (by parameter
+    id: the last that uses it)."""
+    param_owner: dict[int, int] = {}
+    built = []
+    for j, members in enumerate(groups):
+        last = j == len(groups) - 1
+        io = streams.io[j]
+        x_node, statics = _layer_inputs(members, io.main_in, readable, values, placeholders, first=j == 0)
+        side_in = [streams.nodes[t] for t in io.side_in]
+        side_out = [streams.nodes[t] for t in io.side_out]
+        if last:
+            output = model_output
+        elif side_out:
+            output = tuple(([io.main_out] if io.main_out is not None else []) + side_out)
+        else:
+            output = io.main_out
+        ins = ([x_node] if x_node is not None else []) + side_in + statics
+        body = subgraph_module(fake_gm, members, ins, output, values)
+        module = body if not (last and not single_output) else WithLoss(body, loss_fn, captured.rebuild)
+        for p in module.parameters():
+            param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
+        built.append(_Built(members, x_node, side_in, side_out, statics, output, module))
+    found = _Found({t: set() for t in range(len(streams.nodes))}, {}, {})
+    layers: list[Layer] = []
+    with fake_mode, torch.enable_grad():
+        for j, b in enumerate(built):
+            m = _measure(j, b, streams, layers[-1].costs if layers else None, values, param_owner, len(built))
+            found.note(j, b, streams.io[j], m)
+            name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
+            io = streams.io[j]
+            out_name = (b.output.name if isinstance(b.output, fx.Node) else
+                        io.main_out.name if io.main_out is not None and j < len(built) - 1 else "<output>")
+            x = [values[b.x_node]] if b.x_node is not None else []
+            layers.append(Layer(j, name, tuple(n.name for n in b.members),
+                                tuple(op_label(fake_gm, n) for n in b.members),
+                                b.x_node.name if b.x_node is not None else "", out_name, m,
+                                forward_flops(b.module, x, [values[n] for n in b.side_in + b.statics]),
+                                tuple(s.name for s in b.statics), tuple(n.name for n in b.side_in),
+                                tuple(n.name for n in b.side_out)))
+        if single_output:
+            y = values[model_output]
+            loss_layer = WithLoss(None, loss_fn)
+            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout))
+            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
+                                forward_flops(loss_layer, [y])))
+        grad_store, grad_root = _grad_storages(layers)
+        side = found.side_tensors(streams, values, grad_store, grad_root)
+        # second pass: a layer whose outputs' gradients are one storage (an addition or a
+        # concatenation after it hands each a view of the same gradient) is measured again with
+        # that storage shared, so that its figures count it once
+        again = False
+        for j, b in enumerate(built):
+            shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
+            if shared:
+                m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
+                             shared)
+                layers[j] = dataclasses.replace(layers[j], costs=m)
+                again = True
+        if again:
+            grad_store, grad_root = _grad_storages(layers)
+            side = found.side_tensors(streams, values, grad_store, grad_root)
+    return layers, side, grad_store, grad_root, param_owner
+
+
+@dataclass
+class _Built:
+    members: list[fx.Node]
+    x_node: fx.Node | None
+    side_in: list[fx.Node]
+    side_out: list[fx.Node]
+    statics: list[fx.Node]
+    output: Any
+    module: Any
+
+
+def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
+             param_owner: dict, n_built: int, shared: tuple = ()) -> LayerMeasurement:
+    """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
+    io = streams.io[j]
+    x = values[b.x_node] if b.x_node is not None else None
+    # a tied or reused weight whose gradient a later layer already created
+    existing = [p for p in b.module.parameters() if p.requires_grad and param_owner[id(p)] > j]
+    try:
+        # an input the previous layer saves stays alive through this layer's backward, and so does
+        # the model input (the caller holds it); measure_layer also gives the figures with the
+        # input held by nothing else (bf) and by a checkpoint (bk)
+        keep = bool(previous is None or previous.sout)
+        kw = dict(input_requires_grad=bool(x is not None and x.requires_grad), grads_exist=existing,
+                  leaf_input=bool(x is not None and x.requires_grad and x.is_leaf),
+                  static_inputs=[values[s] for s in b.statics])
+        if io.side_in or io.side_out or x is None:
+            # a side input whose gradient a later layer already made: pending, summed out of place
+            kw.update(side_inputs=[values[n] for n in b.side_in],
+                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in],
+                      side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
+                      shared_out_grads=shared)
+        return measure_layer(b.module, x, keep_input=keep, **kw)
+    except Exception as exc:
+        raise TraceError(
+            f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
+            node=b.members[0].name,
+        ) from exc
+
+
+@dataclass
+class _Found:
+    """What the layers' measurements tell about the side tensors."""
+
+    saved: dict[int, set[int]]  # side tensor -> the layers that save it
+    grad: dict[int, int]  # side tensor -> bytes of its gradient's storage
+    view: dict[int, tuple[str, int]]  # side tensor -> ("in"/"out", layer) whose gradient storage it views
+
+    def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
+        for t, saved in zip(io.side_in, m.side_in_saved):
+            if saved:
+                self.saved[t].add(j)
+        for t, saved in zip(io.side_out, m.side_out_saved):
+            if saved:
+                self.saved[t].add(j)
+        for t, gbytes, is_out, shares in zip(io.side_in, m.side_in_grad, m.side_in_grad_is_out,
+                                              m.side_in_grad_shares):
+            if gbytes is not None:
+                self.grad[t] = max(self.grad.get(t, 0), gbytes)
+            # its gradient is a view of this layer's output gradient, or of the storage its chain
+            # input's gradient lives in (a concatenation's slices, an addition's one gradient)
+            if shares == "main" and b.x_node is not None and j > 0:
+                self.view[t] = ("in", j)
+            elif is_out:
+                self.view[t] = ("out", j)
+
+    def side_tensors(self, streams: Streams, values: dict, grad_store: list[int],
+                     grad_root: list[int]) -> list[SideTensor]:
+        side = []
+        for t, node in enumerate(streams.nodes):
+            v = values[node]
+            size = storage_nbytes(v)
+            grad = self.grad.get(t, size) if v.requires_grad else 0
+            view = -1
+            if grad and t in self.view:  # one storage with a chain gradient: counted once
+                kind, u = self.view[t]
+                k = u - 1 if kind == "in" else u  # the layer whose output gradient that storage holds
+                view = grad_root[k]
+                grad = max(grad, grad_store[k])
+            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], tuple(sorted(self.saved[t])),
+                                   max(grad, size) if grad else 0, node.name, view))
+        return side
+
+
+def _grad_storages(layers: list[Layer]) -> tuple[list[int], list[int]]:
+    """Per layer, the bytes of the storage its output gradient lives in and the layer whose output
+    gradient that storage is: a view of a larger tensor when the next layer's backward hands out a
+    slice (a concatenation's), kept whole while the layer runs."""
+    grad_store = [l.costs.a for l in layers]
+    grad_root = list(range(len(layers)))
+    for i in range(len(layers) - 1, 0, -1):
+        m = layers[i].costs
+        if not layers[i].input_node or layers[i - 1].costs.a == 0:
+            continue
+        if m.gin_is_out:
+            grad_store[i - 1] = max(grad_store[i - 1], grad_store[i])
+            grad_root[i - 1] = grad_root[i]
+        elif m.gin is not None:
+            grad_store[i - 1] = max(grad_store[i - 1], m.gin)
+    return grad_store, grad_root
+
+
+def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: list[int],
+                         grad_root: list[int]) -> tuple:
+    """Groups of layer ``j``'s outputs (0 the chain output, then its side outputs) whose gradients are
+    one storage when its backward runs, with that storage's bytes (only groups of two or more)."""
+    if not io.side_out:
+        return ()
+    keys: list[tuple] = [("view", grad_root[j])] if io.main_out is not None else []
+    keys += [side[t].grad_storage(j)[0] if side[t].grad_bytes else ("none", t) for t in io.side_out]
+    groups: dict[tuple, list[int]] = {}
+    for k, key in enumerate(keys):
+        groups.setdefault(key, []).append(k)
+    out = []
+    for key, members in groups.items():
+        if len(members) > 1 and key[0] == "view":
+            sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
+            out.append((tuple(members), max(sizes)))
+    return tuple(out)
+
+
+def _layer_inputs(members: list[fx.Node], first_in: fx.Node | None, readable: set[fx.Node], values: dict,
+                  placeholders: list[fx.Node], first: bool = False) -> tuple[fx.Node | None, list[fx.Node]]:
+    """The layer's chain input and the static values it reads besides (in first-read order).
+
+    After a cut the chain input is the chain tensor crossing it (None when only side tensors
+    cross: the layer then reads side tensors and static values). The first layer's is the
+    model input that requires grad (at most one), else the first static tensor it reads.
+    """
+    own = set(members)
+    reads: list[fx.Node] = []
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in own and a not in reads and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor):
+                reads.append(a)
+    if first_in is None and first:
+        grad = [a for a in reads if a.op == "placeholder" and values[a].requires_grad]
+        if len(grad) > 1:
+            raise TraceError(
+                f"the model takes several inputs that require grad ({', '.join(a.name for a in grad)}); the chain "
+                "model gives the first layer one such input: wrap the model so that one tensor requiring grad "
+                "goes in (e.g. the inputs concatenated), or detach the others",
+                node=members[0].name,
+            )
+        candidates = grad or [a for a in reads if a in readable]
+        if not candidates:
+            raise TraceError("the first layer reads no tensor input; pass the batch as tensors",
+                             node=members[0].name)
+        first_in = candidates[0]
+    return first_in, [a for a in reads if a is not first_in and a in readable]
+
+
+def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
+    mods = [str(n.target) for n in members if n.op == "call_module"]
+    if mods:
+        prefix = _common_prefix(mods)
+        if prefix and len(mods) > 1:
+            return prefix
+        return mods[0] if len(mods) == 1 and len(members) <= 2 else f"{mods[0]}..{mods[-1]}" if len(mods) > 1 else mods[0]
+    return members[0].name if len(members) == 1 else f"{members[0].name}..{members[-1].name}"
+
+
+def _path_name(members: list[fx.Node]) -> str:
+    """A layer's name from the module paths its nodes ran in (op-level graphs): the deepest
+    module holding all of them (``model.layers.3``), with the first and last of its children
+    the layer covers when that module is split over several layers (``transformer.h.0 (ln_2..mlp)``);
+    a layer of root-level ops is named after them (its loss, when it computes one)."""
+    paths = [p for p in (module_path(n) for n in members) if p]
+    if not paths:
+        last = members[-1].name
+        return f"loss ({last})" if "loss" in last else (
+            last if len(members) == 1 else f"{members[0].name}..{last}")
+    distinct = list(dict.fromkeys(paths))
+    # glue ops of an enclosing module (a residual add in the block itself) do not name the layer
+    paths = [p for p in distinct if not any(q.startswith(p + ".") for q in distinct)]
+    prefix = _common_prefix(paths)
+    if len(paths) == 1:
+        return paths[0]
+    depth = len(prefix.split(".")) if prefix else 0
+    children = list(dict.fromkeys(p.split(".")[depth] for p in paths))
+    inner = children[0] if len(children) == 1 else f"{children[0]}..{children[-1]}"
+    return f"{prefix} ({inner})" if prefix else inner
+
+
+def _common_prefix(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    out = []
+    for xs in zip(*parts):
+        if len(set(xs)) != 1:
+            break
+        out.append(xs[0])
+    return ".".join(out)
+
+
