@@ -165,6 +165,11 @@ class SideArrays(NamedTuple):
             bptr.append(len(blist))
         bgrad = np.zeros(n, dtype=np.int64)
         rside = np.zeros(n, dtype=np.int64)
+        # one storage viewed by several side gradients: as large as the largest of them says
+        vmax: dict[int, int] = {}
+        for t in side:
+            if t.grad_view >= 0 and t.grad_bytes:
+                vmax[t.grad_view] = max(vmax.get(t.grad_view, 0), t.grad_bytes)
         for i in range(n):
             chain_key = ("view", int(groot[i]) if groot is not None else i)  # layer i's output gradient
             for out, lo in ((bgrad, 0), (rside, 1)):  # live: p <= i (backward), p < i (recomputation)
@@ -173,6 +178,8 @@ class SideArrays(NamedTuple):
                 for j, t in enumerate(side):
                     if sg[j] and sp[j] + lo <= i < smax[j]:
                         key, size = t.grad_storage(i)
+                        if key[0] == "view":
+                            size = vmax[key[1]]
                         if key != chain_key:  # (that one is the chain gradient the kernels count ...)
                             keys[key] = max(keys.get(key, 0), size)
                         else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..simulator.kernels import BIG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add
+from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add
 from ..simulator.streams import side_terms, simulate_plan_side
 from .rows import grow
 
@@ -35,6 +35,23 @@ def state_offsets(SD, n: int) -> np.ndarray:
     off = np.zeros(n + 2, dtype=np.int64)
     off[1:] = np.cumsum(sizes)
     return off
+
+
+@njit(cache=True)
+def saved_floor(l, r, K):
+    """A lower bound on the peak (relative) of any segment ``[l, r']`` with ``r' >= r`` of either kind,
+    from layer ``r``'s backward alone when ``r`` saves a tensor: ``H(l, r)`` and the least of its
+    backward terms, less the checkpoint (every side addend is non-negative). Taken as a running
+    maximum over ``r`` it never decreases, so a solver stops growing a segment once it exceeds the
+    best value found: O(n^2) segments become about n times the length of the useful ones."""
+    if K.saves[r] == 0:
+        return NEG
+    q = K.qb[r]
+    if K.qbk[r] < q:
+        q = K.qbk[r]
+    if K.qbf[r] < q:
+        q = K.qbf[r]
+    return K.P[r] - K.P[l] + q - K.ck[l]
 
 
 @njit(cache=True)
@@ -73,7 +90,13 @@ def dp_side(n, K, SD, off, allow_stored, fadd, radd, badd, mark):
                 best = BIG
                 br = -1
                 bk = 0
+                floor = NEG
                 for r in range(l, n):
+                    fl = saved_floor(l, r, K)
+                    if fl > floor:
+                        floor = fl
+                    if floor > best:  # no longer segment can do better (ties: kept, the longer wins)
+                        break
                     for kind in range(3):
                         if (kind == 2) != (r == n - 1):
                             continue
@@ -155,7 +178,13 @@ def pareto_side(n, K, SD, off, Cpre, cap, allow_stored, max_work, fadd, radd, ba
                 st = off[l] + flag * (1 << nb) + S
                 first[st] = used
                 m = 0
+                floor = NEG
                 for r in range(l, n):
+                    fl = saved_floor(l, r, K)
+                    if fl > floor:
+                        floor = fl
+                    if floor > cap:  # every longer segment peaks above the cap
+                        break
                     for kind in range(3):
                         if (kind == 2) != (r == n - 1):
                             continue

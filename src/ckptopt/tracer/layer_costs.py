@@ -380,9 +380,14 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             f"measure_layer takes one example input tensor, got {type(example_input).__name__}; "
             "measure_layer(layer, x) measures a layer with one tensor input and one tensor output"
         )
-    if example_input is None and not side_inputs and not list(static_inputs):
-        raise TypeError("measure_layer needs an input: the chain input, side inputs or static inputs")
-    probe_t = example_input if example_input is not None else (side_inputs + list(static_inputs))[0]
+    static_inputs = list(static_inputs)
+    # a layer may read nothing from other layers (a position embedding of arange's indices): its
+    # parameters tell the device and whether it runs on fake tensors
+    probes = ([example_input] if example_input is not None else []) + side_inputs + static_inputs + [
+        t for t in (*module.parameters(), *module.buffers())]
+    if not probes:
+        raise TypeError("measure_layer needs an input or a parameter: the chain input, side inputs, static inputs")
+    probe_t = probes[0]
     fake = is_fake(probe_t)
     dev = probe_t.device if fake else resolve_device(module, [probe_t], None, "measure_layer")
     param_bytes, param_ptrs = storage_bytes(list(module.parameters()), fake=fake)
@@ -721,6 +726,8 @@ def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: It
             return out
 
     _Elementwise.total = 0
-    with torch.no_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
+    # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
+    # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
+    with torch.enable_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
         module(*[a.detach().clone() for a in args], *static_inputs)
     return int(counter.get_total_flops()) + int(_Elementwise.total)

@@ -146,6 +146,10 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
         # kept: a layer that one tensor enters and leaves (only it crossing either boundary), the
         # single-tensor chain's pass-through layer (dead ops), which layer_streams hands it through
         through = j > 0 and len(crossing[j]) == 1 and crossing[j] == crossing[j + 1] and not carry
+        if through:  # ... and it is the chain tensor up to the next layer that computes something
+            (n,) = crossing[j]
+            q = next((k for k in range(j + 1, len(groups)) if k in producing), len(groups) - 1)
+            through = max(readers[n]) <= q
         if j < len(groups) - 1 and j not in producing and not through:
             carry = carry + members
             continue
