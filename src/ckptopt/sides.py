@@ -61,6 +61,10 @@ class SideTensor:
         concatenation's backward hands each input a slice of its output gradient): one
         storage, counted once however many tensors' gradients view it, and not where it is
         that layer's chain gradient already (``ChainCosts.groot``).
+    grad_by : tuple of int
+        The consumers whose backward adds to its gradient (a consumer may only read its size or
+        dtype); empty: every consumer. Its gradient lives from the backward of the last of them
+        to its producer's, and a view lasts until the next of them sums its contribution in.
     """
 
     bytes: int
@@ -72,16 +76,28 @@ class SideTensor:
     grad_view: int = -1
     saved_pre: tuple[int, ...] = ()
     saved_post: tuple[int, ...] = ()
+    grad_by: tuple[int, ...] = ()
 
     @property
     def grad_bytes(self) -> int:
         return self.bytes if self.grad is None else self.grad
 
+    @property
+    def grad_consumers(self) -> tuple[int, ...]:
+        """The consumers whose backward adds to its gradient (``grad_by``, or all of them)."""
+        return self.grad_by or self.consumers
+
+    @property
+    def grad_last(self) -> int:
+        """The layer whose backward makes its gradient first (it lives from there to its producer's)."""
+        return self.grad_consumers[-1]
+
     def grad_storage(self, i: int) -> tuple[tuple, int]:
         """(key, bytes) of the storage its gradient lives in while layer ``i``'s backward runs
         (producer <= i < last consumer). A view of a layer's output gradient lasts until the
         next contribution is summed in (at the next consumer), which makes a storage of its own."""
-        if self.grad_view >= 0 and i >= (self.consumers[-2] if len(self.consumers) > 1 else self.producer):
+        gc = self.grad_consumers
+        if self.grad_view >= 0 and i >= (gc[-2] if len(gc) > 1 else self.producer):
             return ("view", self.grad_view), self.grad_bytes
         return ("own", id(self)), (self.bytes if self.grad_view >= 0 else self.grad_bytes)
 
@@ -95,6 +111,8 @@ class SideTensor:
             out["name"] = self.name
         if self.grad_view >= 0:
             out["grad_view"] = int(self.grad_view)
+        if self.grad_by and self.grad_by != self.consumers:
+            out["grad_by"] = [int(u) for u in self.grad_by]
         if self.saved_pre:
             out["saved_pre"] = [int(x) for x in self.saved_pre]
             out["saved_post"] = [int(x) for x in self.saved_post]
@@ -145,6 +163,7 @@ class SideArrays(NamedTuple):
         sg = [t.grad_bytes for t in side]
         sp = [t.producer for t in side]
         smax = [t.consumers[-1] for t in side]
+        glast = [t.grad_last for t in side]
         cptr, cu, csv = [0], [], []
         for t in side:
             saved = set(t.saved_by)
@@ -176,7 +195,7 @@ class SideArrays(NamedTuple):
                 keys: dict[tuple, int] = {}
                 outlives = False
                 for j, t in enumerate(side):
-                    if sg[j] and sp[j] + lo <= i < smax[j]:
+                    if sg[j] and sp[j] + lo <= i < glast[j]:
                         key, size = t.grad_storage(i)
                         if key[0] == "view":
                             size = vmax[key[1]]
@@ -218,13 +237,14 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
-                                "saved_pre", "saved_post"}
+                                "saved_pre", "saved_post", "grad_by"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
                 t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
                                t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
-                               tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())))
+                               tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
+                               tuple(t.get("grad_by", ())))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -263,8 +283,11 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if pre:  # in the order of the sorted saved_by
             order = sorted(range(len(t.saved_by)), key=lambda q: int(t.saved_by[q]))
             pre, post = tuple(pre[q] for q in order), tuple(post[q] for q in order)
+        gby = tuple(sorted(set(int(u) for u in t.grad_by)))
+        if any(u not in set(cons) for u in gby):
+            raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
-                              pre, post))
+                              pre, post, gby if gby != tuple(int(u) for u in cons) else ()))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

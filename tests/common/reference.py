@@ -88,7 +88,8 @@ def _full(c, checkpoints, stored):
 
     def side_grad_token(j, i):
         t = side[j]
-        split = t.consumers[-2] if len(t.consumers) > 1 else t.producer
+        gc = t.grad_consumers
+        split = gc[-2] if len(gc) > 1 else t.producer
         return f"sgv{t.grad_view}" if t.grad_view >= 0 and i >= split else f"sg{j}"
 
     def saved(i):
@@ -174,7 +175,7 @@ def _full(c, checkpoints, stored):
         """Forward copies and gradients live while layer i's backward runs."""
         live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and i >= release[j]}
         live |= {side_grad_token(j, i) for j, t in enumerate(side)
-                 if t.producer <= i < t.consumers[-1] and t.grad_bytes}
+                 if t.producer <= i < t.grad_last and t.grad_bytes}
         if f"sgv{groot[i]}" in live:  # layer i's own output gradient is the chain's g{i}, which then
             live.discard(f"sgv{groot[i]}")  # outlives the layer's backward: its gh more
             live.add(f"gh{i}")
@@ -184,7 +185,7 @@ def _full(c, checkpoints, stored):
         """Side tensors live while layer i of segment k is recomputed (its backward started at trigger)."""
         live = {f"s{j}" for j, t in enumerate(side) if release[j] is not None and trigger >= release[j]}
         live |= {side_grad_token(j, trigger) for j, t in enumerate(side)
-                 if t.producer < trigger < t.consumers[-1] and t.grad_bytes}
+                 if t.producer < trigger < t.grad_last and t.grad_bytes}
         live -= {f"sgv{groot[trigger]}"}  # the trigger's output gradient (its r{trigger})
         l, r = segs[k]
         for j, t in enumerate(side):

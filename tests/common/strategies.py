@@ -92,7 +92,8 @@ def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
         if savers and draw(st.booleans()):  # the savers' backward peaks before / from the release
             pre = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
             post = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
-        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post))
+        gby = tuple(u for u in cons if draw(st.booleans())) if grad != 0 and draw(st.booleans()) else ()
+        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post, gby))
     return out
 
 

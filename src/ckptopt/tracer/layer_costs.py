@@ -533,9 +533,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         roots.append(InjectGrad.apply(outs_all[k], rec))  # (no loop variable keeps an output)
                     if grads_exist:
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
-                    # created last, so run first: the gradient a later layer already made
+                    # created last, so run first: the gradient a later layer already made (only
+                    # for a side input the layer's backward reaches: one it reads the size of gets none)
+                    reached = _reachable([o for o in outs_all if o.requires_grad])
                     roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
-                              if p and t.requires_grad]
+                              if p and t.requires_grad and t.grad_fn in reached]
                 held_input = x  # held through the backward; see _backward_peaks for the other cases
                 held_sides = sides
                 del x, y, ys, side_ys
@@ -619,6 +621,19 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         side_in_release=tuple(side_release),
         side_out_release=tuple(side_out_release),
     )
+
+
+def _reachable(outputs: list[torch.Tensor]) -> set:
+    """The autograd nodes a backward from ``outputs`` reaches."""
+    seen: set = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return seen
 
 
 def _shares(side: dict, main: dict) -> str | int | None:

@@ -106,7 +106,8 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         for p in module.parameters():
             param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
         built.append(_Built(members, x_node, side_in, side_out, statics, output, module))
-    found = _Found({t: set() for t in range(len(streams.nodes))}, {}, {})
+    found = _Found({t: set() for t in range(len(streams.nodes))}, {}, {},
+                   {t: set() for t in range(len(streams.nodes))})
     layers: list[Layer] = []
     with fake_mode, torch.enable_grad():
         for j, b in enumerate(built):
@@ -195,6 +196,7 @@ class _Found:
     saved: dict[int, set[int]]  # side tensor -> the layers that save it
     grad: dict[int, int]  # side tensor -> bytes of its gradient's storage
     view: dict[int, tuple[str, int]]  # side tensor -> ("in"/"out", layer) whose gradient storage it views
+    grad_by: dict[int, set[int]]  # side tensor -> the consumers whose backward adds to its gradient
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         for t, saved in zip(io.side_in, m.side_in_saved):
@@ -207,6 +209,7 @@ class _Found:
                                               m.side_in_grad_shares):
             if gbytes is not None:
                 self.grad[t] = max(self.grad.get(t, 0), gbytes)
+                self.grad_by[t].add(j)  # (a consumer reading only its size adds nothing)
             # its gradient is a view of this layer's output gradient, or of the storage its chain
             # input's gradient lives in (a concatenation's slices, an addition's one gradient)
             if shares == "main" and b.x_node is not None and j > 0:
@@ -227,8 +230,12 @@ class _Found:
                 k = u - 1 if kind == "in" else u  # the layer whose output gradient that storage holds
                 view = grad_root[k]
                 grad = max(grad, grad_store[k])
+            gby = tuple(sorted(self.grad_by[t]))
+            if not gby:  # no consumer adds to its gradient
+                grad, view = 0, -1
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], tuple(sorted(self.saved[t])),
-                                   max(grad, size) if grad else 0, node.name, view))
+                                   max(grad, size) if grad else 0, node.name, view, (), (),
+                                   gby if gby != tuple(streams.consumers[t]) else ()))
         return side
 
 
