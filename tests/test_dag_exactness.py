@@ -17,6 +17,7 @@ import torch.nn as nn
 from ckptopt import simulate, solve, zoo
 from ckptopt.measure import measure_plans_fake
 from ckptopt.tracer import trace
+from ckptopt.tracer.cuts import MAX_CROSSING
 
 from .common.models import ResNetish
 
@@ -80,16 +81,24 @@ CASES = {
 # checkpointed segment after the attention half of a block is over-predicted by 120 bytes of
 # 38,408 (0.3%). Every other plan of these models is exact to the byte.
 TOLERANCE = {"gpt": 0.005}
+# With several tensors crossing a cut, some plans are over-predicted (a side tensor's gradient
+# that views a larger storage while a later consumer's contribution is summed in): by up to 11% of
+# these tiny models' peak (densenet-like plan (6,), 2,048 B of 18,752), never under. The zoo's
+# DenseNet-121, U-Net, ResNet-50 and GPT are exact to the byte on their optimal plans.
+OVER_SIDE = 0.12
 LONG = os.environ.get("CKPTOPT_DAG_LONG", "") not in ("", "0")
 SAMPLE = 40  # plans with three cuts or more, per model, in the default profile
 
 
+@pytest.mark.parametrize("crossing", [1, MAX_CROSSING])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_every_plan_measured_equals_simulated(name):
+def test_every_plan_measured_equals_simulated(name, crossing):
+    """Single-tensor cuts (every plan, or all with up to two cuts and a sample), and cuts that
+    several tensors cross (docs/design.md §4: the same, over about twice the layers)."""
     torch.manual_seed(0)
     model, inputs = CASES[name]()
-    tm = trace(model, inputs)
-    assert 4 <= tm.n <= 10, tm.n  # small enough to try every plan (at most 512)
+    tm = trace(model, inputs, max_crossing=crossing)
+    assert 4 <= tm.n <= (10 if crossing == 1 else 20), tm.n  # small enough for brute force
     plans = [c for k in range(tm.n) for c in itertools.combinations(range(1, tm.n), k)]
     if not LONG:
         few = [c for c in plans if len(c) <= 2]
@@ -104,7 +113,11 @@ def test_every_plan_measured_equals_simulated(name):
         # 16 bytes: the int64 copy of num_batches_tracked the BatchNorm hook keeps while a
         # segment is recomputed (8 bytes per BatchNorm being recomputed)
         gap = peak - 8 - simulate(tm.costs, cps).peak_bytes
-        assert abs(gap) <= max(16, TOLERANCE.get(name, 0) * peak), (cps, peak, simulate(tm.costs, cps))
+        if crossing == 1:
+            assert abs(gap) <= max(16, TOLERANCE.get(name, 0) * peak), (cps, peak, simulate(tm.costs, cps))
+        else:  # several tensors crossing: never under, over by at most OVER_SIDE (README: limits)
+            assert -OVER_SIDE * peak <= gap <= 16, (cps, peak, simulate(tm.costs, cps))
     best = min(measured.values())
+    slack = TOLERANCE.get(name, 0) if crossing == 1 else OVER_SIDE
     for solver in ("dp", "dp2", "brute"):
-        assert measured[solve(tm.costs, solver).checkpoints] <= best + max(16, TOLERANCE.get(name, 0) * best), solver
+        assert measured[solve(tm.costs, solver).checkpoints] <= best + max(16, slack * best), solver

@@ -12,7 +12,7 @@ from ckptopt import InfeasibleBudget, Plan, apply_plan, measure_peak, optimize_c
 
 from ckptopt.measure import measure_plans_fake
 
-from .test_dag_exactness import CASES, TOLERANCE
+from .test_dag_exactness import CASES, OVER_SIDE, TOLERANCE
 
 
 def _loss(out):
@@ -39,8 +39,11 @@ def test_stored_segments_measured_equals_simulated(name):
              for cps, stored in _sample(tm.n, 8)]
     for plan, meas in zip(plans, measure_plans_fake(model, inputs, tm, plans, loss_fn=_loss)):
         cps, stored, pred = plan.checkpoints, plan.stored, plan.peak_bytes
-        # 8 bytes: the scalar loss and its gradient; 16: BatchNorm hook copies (see test_dag_exactness)
-        assert abs(meas - 8 - pred) <= max(16, TOLERANCE.get(name, 0) * meas), (cps, stored, meas, pred)
+        # 8 bytes: the scalar loss and its gradient; 16: BatchNorm hook copies (see test_dag_exactness);
+        # several tensors crossing: never under, over by at most OVER_SIDE
+        gap = meas - 8 - pred
+        assert -max(16, TOLERANCE.get(name, 0) * meas, OVER_SIDE * meas if tm.costs.side else 0) <= gap <= max(
+            16, TOLERANCE.get(name, 0) * meas), (cps, stored, meas, pred)
 
 
 @pytest.mark.parametrize("name", ["resnet-like", "densenet-like", "unet-like"])
@@ -74,8 +77,9 @@ def test_optimize_with_a_budget_uses_the_least_recomputation():
     assert s.recompute_flops <= simulate(tm.costs, solve(tm.costs, "dp2").checkpoints).recompute_flops
     meas = measure_peak(model, inputs, checkpoints=plan, fake=True)
     assert meas - 8 <= budget
+    floor = solve(tm.costs, "auto").peak_bytes  # the lowest peak, plans with stored segments included
     with pytest.raises(InfeasibleBudget) as e:
-        optimize_checkpoints(model, inputs, budget=lo - 1)
+        optimize_checkpoints(model, inputs, budget=floor - 1)
     assert e.value.min_peak_bytes <= lo
 
 

@@ -44,12 +44,19 @@ def test_chain_is_cut_at_every_op_and_dag_at_block_boundaries():
     tm = trace(chain(), (torch.randn(4, 64),))
     assert [l.ops for l in tm.layers][:3] == [("Linear",), ("ReLU",), ("Dropout",)]
     assert tm.layers[-1].name == "loss" and tm.n == 8
-    tm = trace(ResNetish(), (torch.randn(2, 3, 8, 8),))
+    tm = trace(ResNetish(), (torch.randn(2, 3, 8, 8),), max_crossing=1)
     names = [l.name for l in tm.layers]
-    # inside a residual block two tensors are live, so each block is one layer
+    # inside a residual block two tensors are live, so with single-tensor cuts each block is one layer
     assert "blocks.0" in names and "blocks.1" in names and "blocks.2" in names
     block = tm.layers[names.index("blocks.1")]
-    assert block.ops.count("Conv2d") == 2 and "add" in block.ops
+    assert block.ops.count("Conv2d") == 2 and "add" in block.ops and not tm.costs.side
+    # by default a cut may be crossed by several tensors: the block is cut between its convolutions,
+    # and the block's input, read again by the residual add, is a side tensor
+    tm = trace(ResNetish(), (torch.randn(2, 3, 8, 8),))
+    names = [l.name for l in tm.layers]
+    assert "blocks.1.conv1" in names and "blocks.1.conv2" in names
+    skip = [t for t in tm.costs.side if tm.layers[t.consumers[-1]].ops == ("add",)]
+    assert len(skip) == 3 and all(t.bytes == 2 * 8 * 8 * 8 * 4 for t in skip)  # (batch 2, 8 channels, 8x8)
     g = tm.graph
     assert g.number_of_nodes() == len(tm.gm.graph.nodes) and g.nodes["stem"]["bytes"] == 2 * 8 * 8 * 8 * 4
 

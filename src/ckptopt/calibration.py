@@ -218,9 +218,9 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
                 out.append(LayerCalibration(hit.forward_seconds, hit.backward_seconds, hit.forward_scratch,
                                             hit.backward_scratch, cached=True))
                 continue
-            x = make_input()  # one layer's input at a time
-            cal = _measure(module, x, statics, probe, repeats)
-            del x
+            xs = make_input()  # one layer's inputs at a time
+            cal = _measure(module, xs, statics, probe, repeats)
+            del xs
             if cache:
                 _CACHE[full_key] = cal
             out.append(cal)
@@ -230,7 +230,7 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
     return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start)
 
 
-def _measure(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe,
+def _measure(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe,
              repeats: int) -> LayerCalibration:
     fwd_t, bwd_t = [], []
     for r in range(repeats + 1):  # run 0 warms up (lazy library state, algorithm choice)
@@ -244,12 +244,16 @@ def _measure(module: nn.Module, x: torch.Tensor, statics: list, probe: DevicePro
     return LayerCalibration(statistics.median(fwd_t), statistics.median(bwd_t), fwd_s, bwd_s)
 
 
-def _run_once(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe) -> tuple[float, float]:
+def _fresh(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
+
+
+def _run_once(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe) -> tuple[float, float]:
     """Forward and backward seconds of one untracked run (the tracker's dispatch would inflate them)."""
-    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    xi = _fresh(x)
     probe.synchronize()
     t0 = time.perf_counter()
-    y = module(xi, *statics)
+    y = module(*xi, *statics)
     probe.synchronize()
     t_fwd = time.perf_counter() - t0
     ys = [t for t in tensor_leaves(y) if t.requires_grad]
@@ -265,16 +269,16 @@ def _run_once(module: nn.Module, x: torch.Tensor, statics: list, probe: DevicePr
     return t_fwd, t_bwd
 
 
-def _scratch(module: nn.Module, x: torch.Tensor, statics: list, probe: DeviceProbe) -> tuple[int, int]:
+def _scratch(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe) -> tuple[int, int]:
     """Scratch of the forward and of the backward: the allocator's peak above the phase's start
     minus the tensor storages' peak above it."""
-    xi = x.detach().clone().requires_grad_(x.requires_grad)
+    xi = _fresh(x)
     tracker = StorageTracker()
-    tracker.register(module, xi, statics)
+    tracker.register(module, *xi, statics)
     start = tracker.current_bytes
     probe.begin()
     with tracker:
-        y = module(xi, *statics)
+        y = module(*xi, *statics)
     alloc = probe.phase()
     fwd = 0 if alloc is None else max(0, alloc - (tracker.peak_bytes - start))
     ys = [t for t in tensor_leaves(y) if t.requires_grad]
@@ -316,18 +320,30 @@ def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) ->
             members: list[fx.Node] = []
         else:
             members = [nodes[nm] for nm in layer.nodes]
-            ins = [nodes[layer.input_node]] + [nodes[s] for s in layer.static_inputs]
+            ins = ([nodes[layer.input_node]] if layer.input_node else []) + [nodes[s] for s in layer.side_inputs] + [
+                nodes[s] for s in layer.static_inputs]
             last = j == n - 1
-            output = model_output if last else nodes[traced.layers[j + 1].input_node]
+            main_out = layer.output_node if layer.output_node in nodes else None
+            if last:
+                output = model_output
+            elif layer.side_outputs:  # as the tracer built it: (chain output, *side outputs)
+                output = tuple(([nodes[main_out]] if main_out else []) + [nodes[s] for s in layer.side_outputs])
+            else:
+                output = nodes[main_out] if main_out else nodes[traced.layers[j + 1].input_node]
             body = subgraph_module(gm, members, ins, output, consts)
             module = WithLoss(body, traced.loss_fn, rebuild) if last else body
-        given = real.get(layer.input_node)
-        if given is not None:
-            meta = (tuple(given.shape), given.dtype, bool(given.requires_grad))
-            make_input = functools.partial(lambda v: v, given)
-        else:
-            meta = traced.tensor_meta[layer.input_node]
-            make_input = functools.partial(_synthetic, meta, device)
+        names = ([layer.input_node] if layer.input_node else []) + list(layer.side_inputs)
+        metas, makers = [], []
+        for name in names:  # the model's own values where it has them, else synthetic at the traced shape
+            given = real.get(name)
+            if given is not None:
+                metas.append((tuple(given.shape), given.dtype, bool(given.requires_grad)))
+                makers.append(functools.partial(lambda v: v, given))
+            else:
+                metas.append(traced.tensor_meta[name])
+                makers.append(functools.partial(_synthetic, metas[-1], device))
+        meta = tuple(metas)
+        make_input = functools.partial(lambda fs: [f() for f in fs], makers)
         statics = [real[s] for s in layer.static_inputs]
         key = (_signature(gm, members) or ("<loss>",),
                tuple((tuple(p.shape), p.dtype) for p in module.parameters()), meta,

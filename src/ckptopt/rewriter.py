@@ -318,7 +318,8 @@ class CheckpointedModule(nn.Module):
 
         if not isinstance(self.plan, Plan):
             raise TypeError("predicted_peak_for needs a chain plan (ckptopt.Plan)")
-        tm = trace_captured(self.original, self.traced.capture, Inputs(args, kwargs), self.traced.loss_fn)
+        tm = trace_captured(self.original, self.traced.capture, Inputs(args, kwargs), self.traced.loss_fn,
+                            self.traced.max_crossing)
         if tm.n != self.traced.n:
             raise ValueError(f"at these shapes the model traces into {tm.n} layers, not {self.traced.n}: "
                              "call optimize_checkpoints with this batch")

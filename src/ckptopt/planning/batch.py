@@ -64,6 +64,10 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
             s = d // (b2 - b1)
             icpt["layers"][k].append(int(v1) - s * b1)
             slope["layers"][k].append(s)
+    side = _affine_side(c1.get("side", []), c2.get("side", []), b1, b2)
+    if side is None:
+        return None
+    icpt["side"], slope["side"] = side
     d = int(c2["static"]) - int(c1["static"])
     if d % (b2 - b1):
         return None
@@ -76,6 +80,34 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
             icpt["compute"] = [int(v1) - s * b1 for v1, s in zip(c1["compute"], slope["compute"])]
         else:
             slope["compute"], icpt["compute"] = [0] * len(diffs), [int(v) for v in c1["compute"]]
+    return icpt, slope
+
+
+_SIDE_SIZES = ("bytes", "grad", "saved_pre", "saved_post")  # the side-tensor fields that scale with the batch
+
+
+def _affine_side(s1: list, s2: list, b1: int, b2: int) -> tuple[list, list] | None:
+    """(intercepts, slopes) of the side tensors' sizes, or None when their structure differs or a
+    size is not exactly affine."""
+    if len(s1) != len(s2):
+        return None
+    icpt, slope = [], []
+    for t1, t2 in zip(s1, s2):
+        if {k: v for k, v in t1.items() if k not in _SIDE_SIZES} != {k: v for k, v in t2.items() if k not in _SIDE_SIZES}:
+            return None
+        i, s = {}, {}
+        for k in _SIDE_SIZES:
+            if (k in t1) != (k in t2):
+                return None
+            if k not in t1:
+                continue
+            v1, v2 = (t1[k], t2[k]) if isinstance(t1[k], list) else ([t1[k]], [t2[k]])
+            if len(v1) != len(v2) or any((int(y) - int(x)) % (b2 - b1) for x, y in zip(v1, v2)):
+                return None
+            s[k] = [(int(y) - int(x)) // (b2 - b1) for x, y in zip(v1, v2)]
+            i[k] = [int(x) - q * b1 for x, q in zip(v1, s[k])]
+        icpt.append(i)
+        slope.append(s)
     return icpt, slope
 
 
@@ -179,6 +211,16 @@ class BatchCosts:
                 d["layers"][k] = [max(0, i + s * batch) for i, s in zip(icpt["layers"][k], slope["layers"][k])]
         if "g" in d["layers"]:  # a gradient's storage holds the gradient: fitted apart, they may cross
             d["layers"]["g"] = [max(g, a) for g, a in zip(d["layers"]["g"], d["layers"]["a"])]
+        if traced.get("side"):
+            d["side"] = []
+            for t, i, s in zip(traced["side"], icpt["side"], slope["side"]):
+                t = dict(t)
+                for k in i:
+                    v = [max(0, a + b * batch) for a, b in zip(i[k], s[k])]
+                    t[k] = v if isinstance(t[k], list) else v[0]
+                if t.get("grad"):  # a gradient's storage holds the gradient (fitted apart, they may cross)
+                    t["grad"] = max(t["grad"], t["bytes"])
+                d["side"].append(t)
         return ChainCosts.from_dict(d)
 
     def costs(self, batch: int, trace: bool = False) -> ChainCosts:

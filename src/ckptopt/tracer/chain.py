@@ -32,7 +32,7 @@ from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, n
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
-from .cuts import candidate_groups
+from .cuts import MAX_CROSSING, candidate_groups
 from .streams import layer_streams, merge_aliased, merge_outputless
 from .layers import Layer, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
@@ -78,6 +78,9 @@ class TracedModel:
         layer alone on a device (:mod:`ckptopt.calibration`).
     calibration : Calibration or None
         Set when ``costs`` were calibrated on the device (:mod:`ckptopt.calibration`).
+    max_crossing : int
+        The most tensors a cut may be crossed by (:func:`trace`); re-tracing at other
+        shapes uses the same.
     """
 
     gm: fx.GraphModule
@@ -95,6 +98,7 @@ class TracedModel:
     constants: dict = dataclasses.field(default_factory=dict)
     tensor_meta: dict = dataclasses.field(default_factory=dict)
     calibration: Any = None
+    max_crossing: int = MAX_CROSSING
 
     @property
     def n(self) -> int:
@@ -135,7 +139,7 @@ def trace(
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
-    max_crossing: int = 1,
+    max_crossing: int = MAX_CROSSING,
 ) -> TracedModel:
     """Trace ``model`` into a chain cost model without allocating activations.
 
@@ -161,6 +165,11 @@ def trace(
         ``"fx"`` (``torch.fx`` symbolic tracing), ``"export"`` (``torch.export``,
         non-strict) or ``"auto"``: FX, and export when FX cannot trace the model
         (:mod:`ckptopt.tracer.capture`).
+    max_crossing : int, default 4
+        A cut is offered where at most this many tensors computed before it are read
+        after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
+        side tensors (an encoder output read by every decoder layer, a skip connection,
+        a second tower's input). 1 gives the single-tensor chain.
 
     Returns
     -------
@@ -186,13 +195,15 @@ def trace(
     cache is dropped earlier and the prediction errs high by at most that amount).
     """
     check_capture_mode(capture)
+    if isinstance(max_crossing, bool) or not isinstance(max_crossing, int) or max_crossing < 1:
+        raise ValueError(f"max_crossing must be an integer >= 1 (1: single-tensor cuts only), got {max_crossing!r}")
     inputs = check_model_and_inputs(model, example_inputs)
     captured = capture_graph(model, inputs, capture, leaf_modules)
     return trace_captured(model, captured, inputs, loss_fn, max_crossing)
 
 
 def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
-                   loss_fn: Callable | None = None, max_crossing: int = 1) -> TracedModel:
+                   loss_fn: Callable | None = None, max_crossing: int = MAX_CROSSING) -> TracedModel:
     """The cost model of an already captured graph at these inputs' shapes (no new capture):
     what :func:`trace` runs after its capture stage, and what re-prices a plan at other shapes."""
     inputs = normalize_inputs(example_inputs)
@@ -272,7 +283,8 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     tensor_meta = {n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
                    if n.name in read and isinstance(v, torch.Tensor)}
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
-                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta)
+                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta,
+                       max_crossing=max_crossing)
 
 
 def _nx_graph(gm: fx.GraphModule, values: dict, fake_gm: fx.GraphModule) -> nx.DiGraph:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from ..errors import TraceError
 from ..torch_utils import tensor_leaves
 
-__all__ = ["OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
+__all__ = ["MAX_CROSSING", "OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
 
 #: The node kinds that run something (the others are inputs, attributes and the output).
 OPS = ("call_module", "call_function", "call_method")
@@ -43,14 +43,51 @@ def _aliases(out: Any, args: list[torch.Tensor]) -> bool:
     return any(torch._C._is_alias_of(o, a) for o in outs for a in args)
 
 
+_INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                      "ilshift", "irshift", "imatmul"}
+
+
+def _mutated(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
+    """The argument nodes op ``n`` writes in place: from the ATen schema (``Tensor(a!)``), a module
+    or function called with ``inplace=True``, or a trailing-underscore method or function."""
+    first = [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
+    if n.op == "call_module":
+        return first if getattr(gm.get_submodule(n.target), "inplace", False) is True else []
+    if n.op == "call_method":
+        name = str(n.target)
+        return first if name.endswith("_") and not name.startswith("_") else []
+    target = n.target
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        out = []
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                v = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+                if isinstance(v, fx.Node):
+                    out.append(v)
+        return out
+    name = getattr(target, "__name__", "")
+    if n.kwargs.get("inplace") is True or name in _INPLACE_OPERATORS or (
+            name.endswith("_") and not name.startswith("_")):
+        return first
+    return []
+
+
+#: The default of :func:`ckptopt.trace`'s ``max_crossing``: a cut may be crossed by the chain
+#: tensor and up to three side tensors (an encoder output and two position biases between T5's
+#: decoder layers); the exact programs keep 2**3 states per boundary at most.
+MAX_CROSSING = 4
+
+
 def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = frozenset(),
-                     max_crossing: int = 1) -> list[list[fx.Node]]:
+                     max_crossing: int = MAX_CROSSING) -> list[list[fx.Node]]:
     """Split the op nodes into groups (the layers) at candidate cuts.
 
     A cut before op ``k`` is a candidate when between 1 and ``max_crossing`` tensors computed
     before ``k`` are used at or after it (its *live set*; ``static`` nodes never count: any
     layer may read them), each requires grad, no two share a storage, none is the input of a
-    view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it),
+    view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it) or
+    written in place at or after ``k`` (a checkpoint would find its input modified),
     and no model input that requires grad is still to be read. With ``max_crossing=1`` this
     is the single-tensor chain of docs/design.md §4; above, the tensors crossing a cut besides
     the chain tensor are side tensors (:class:`ckptopt.costs.SideTensor`).
@@ -71,6 +108,17 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             p = pos.get(u, len(ops))
             last_use[n] = max(last_use.get(n, -1), p)
     input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n) and n not in static] or [-1])
+    # the last op that writes each tensor's storage in place: a tensor crossing a cut must not be
+    # written after it (a checkpoint would recompute from, or find, a modified input)
+    writes = [(pos[n], values[a]) for n in ops for a in _mutated(gm, n) if isinstance(values.get(a), torch.Tensor)]
+    last_write: dict[fx.Node, int] = {}
+    if writes:
+        for n in ops:
+            v = values.get(n)
+            if isinstance(v, torch.Tensor):
+                w = [j for j, t in writes if j > pos[n] and (t is v or torch._C._is_alias_of(v, t))]
+                if w:
+                    last_write[n] = max(w)
 
     # sweep: live tensor-valued op nodes before position k
     cuts = []
@@ -87,6 +135,8 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             continue
         if any(torch._C._is_alias_of(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]):
             continue  # a view crossing with its base: one storage, two tensors
+        if any(last_write.get(n, -1) >= k for n in live):
+            continue  # written in place later: its producer's segment must run up to that write
         nxt = ops[k]
         args = [values[a] for a in nxt.all_input_nodes if isinstance(values.get(a), torch.Tensor)]
         if _aliases(values.get(nxt), args):
