@@ -165,7 +165,7 @@ def trace(
         ``"fx"`` (``torch.fx`` symbolic tracing), ``"export"`` (``torch.export``,
         non-strict) or ``"auto"``: FX, and export when FX cannot trace the model
         (:mod:`ckptopt.tracer.capture`).
-    max_crossing : int, default 4
+    max_crossing : int, default 8
         A cut is offered where at most this many tensors computed before it are read
         after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
         side tensors (an encoder output read by every decoder layer, a skip connection,
