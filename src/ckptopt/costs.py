@@ -36,7 +36,8 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
-           gradient), which stays alive whole. Default: ``a[i]``
+           gradient), which stays alive whole, or the output is a view of a larger storage
+           (one chunk of a projection, whose gradient is the chunk's size). Default: ``a[i]``
 ``groot[i]`` (optional) the layer whose output gradient's storage holds layer ``i``'s
            (``i``, or a later layer that handed it a view): a side tensor's gradient that
            views the same storage is counted once. Default: ``i``
@@ -351,13 +352,14 @@ class ChainCosts:
                 self._fields[name] = self._fields["b"]
         if g is None:
             self._fields["g"] = self._fields["a"]
-        small = np.flatnonzero(self._fields["g"] < self._fields["a"])
+        small = np.flatnonzero((self._fields["g"] == 0) & (self._fields["a"] > 0))
         if small.size:
             i = int(small[0])
             raise InvalidCosts(
-                f"field 'g' index {i}: {int(self._fields['g'][i])} is smaller than the output it is the gradient of "
-                f"(a = {int(self._fields['a'][i])}); g is the storage the gradient lives in, at least a "
-                "(leave g out when gradients are plain tensors)", field="g", index=i)
+                f"field 'g' index {i}: 0 bytes is no gradient of an output of {int(self._fields['a'][i])} bytes; "
+                "g is the storage the output gradient lives in: the output's size, less when the output is a view "
+                "of a larger storage (a chunk), more when it is a view of a larger gradient (a concatenation's "
+                "slice); leave g out when gradients are plain tensors", field="g", index=i)
         for flag, given in (("dead", dead), ("holds", holds)):
             if given is None:
                 z = np.zeros(self.n, dtype=np.int64)

@@ -88,6 +88,13 @@ class SideTensor:
         return self.grad_by or self.consumers
 
     @property
+    def grad_split(self) -> int:
+        """The layer whose backward adds the next contribution after the last consumer's: a view of
+        that consumer's output gradient lasts until then (the producer, with one such consumer)."""
+        gc = self.grad_consumers
+        return gc[-2] if len(gc) > 1 else self.producer
+
+    @property
     def grad_last(self) -> int:
         """The layer whose backward makes its gradient first (it lives from there to its producer's)."""
         return self.grad_consumers[-1]
@@ -96,8 +103,7 @@ class SideTensor:
         """(key, bytes) of the storage its gradient lives in while layer ``i``'s backward runs
         (producer <= i < last consumer). A view of a layer's output gradient lasts until the
         next contribution is summed in (at the next consumer), which makes a storage of its own."""
-        gc = self.grad_consumers
-        if self.grad_view >= 0 and i >= (gc[-2] if len(gc) > 1 else self.producer):
+        if self.grad_view >= 0 and i >= self.grad_split:
             return ("view", self.grad_view), self.grad_bytes
         return ("own", id(self)), (self.bytes if self.grad_view >= 0 else self.grad_bytes)
 
@@ -201,8 +207,8 @@ class SideArrays(NamedTuple):
                             size = vmax[key[1]]
                         if key != chain_key:  # (that one is the chain gradient the kernels count ...)
                             keys[key] = max(keys.get(key, 0), size)
-                        else:
-                            outlives = True
+                        elif i > t.grad_split:  # (its next contribution, summed at or after layer i's
+                            outlives = True     # backward, lets the view go within it)
                 # ... but it then outlives the layer's backward, which its b assumed freed
                 out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
         svptr, svu, svpre, svpost, hasrel = [0], [], [], [], []

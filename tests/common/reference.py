@@ -177,8 +177,10 @@ def _full(c, checkpoints, stored):
         live |= {side_grad_token(j, i) for j, t in enumerate(side)
                  if t.producer <= i < t.grad_last and t.grad_bytes}
         if f"sgv{groot[i]}" in live:  # layer i's own output gradient is the chain's g{i}, which then
-            live.discard(f"sgv{groot[i]}")  # outlives the layer's backward: its gh more
-            live.add(f"gh{i}")
+            live.discard(f"sgv{groot[i]}")  # outlives the layer's backward (when an earlier layer's
+            if any(i > t.grad_split and side_grad_token(j, i) == f"sgv{groot[i]}"  # tensor views it): gh more
+                   for j, t in enumerate(side) if t.producer <= i < t.grad_last and t.grad_bytes):
+                live.add(f"gh{i}")
         return live
 
     def side_recompute(k, trigger, e, i):

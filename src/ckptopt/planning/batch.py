@@ -209,8 +209,8 @@ class BatchCosts:
                 d["layers"][k] = v
             else:
                 d["layers"][k] = [max(0, i + s * batch) for i, s in zip(icpt["layers"][k], slope["layers"][k])]
-        if "g" in d["layers"]:  # a gradient's storage holds the gradient: fitted apart, they may cross
-            d["layers"]["g"] = [max(g, a) for g, a in zip(d["layers"]["g"], d["layers"]["a"])]
+        if "g" in d["layers"]:  # fitted apart from a, a gradient's storage may drop to 0 where a does not
+            d["layers"]["g"] = [g if g > 0 or a == 0 else a for g, a in zip(d["layers"]["g"], d["layers"]["a"])]
         if traced.get("side"):
             d["side"] = []
             for t, i, s in zip(traced["side"], icpt["side"], slope["side"]):

@@ -89,7 +89,8 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
     before ``k`` are used at or after it (its *live set*; ``static`` nodes never count: any
     layer may read them), each requires grad, no two share a storage, none is the input of a
     view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it) or
-    written in place at or after ``k`` (a checkpoint would find its input modified),
+    written in place at or after ``k`` (a checkpoint would find its input modified) or on a
+    dead branch (no gradient reaches it: its saved tensors die in the forward),
     and no model input that requires grad is still to be read. With ``max_crossing=1`` this
     is the single-tensor chain of docs/design.md §4; above, the tensors crossing a cut besides
     the chain tensor are side tensors (:class:`ckptopt.costs.SideTensor`).
@@ -110,6 +111,13 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             p = pos.get(u, len(ops))
             last_use[n] = max(last_use.get(n, -1), p)
     input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n) and n not in static] or [-1])
+    # values no gradient reaches (a dead branch: nothing after reads them toward the output): their
+    # saved tensors die with the forward, which the measurement of one layer sees only within it
+    out_node = next(n for n in reversed(nodes) if n.op == "output")
+    reaching = {out_node}
+    for n in reversed(nodes):
+        if any(u in reaching for u in n.users):
+            reaching.add(n)
     # the last op that writes each tensor's storage in place: a tensor crossing a cut must not be
     # written after it (a checkpoint would recompute from, or find, a modified input)
     writes = [(pos[n], values[a]) for n in ops for a in _mutated(gm, n) if isinstance(values.get(a), torch.Tensor)]
@@ -137,6 +145,8 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             continue
         if any(torch._C._is_alias_of(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]):
             continue  # a view crossing with its base: one storage, two tensors
+        if any(n not in reaching for n in live):
+            continue  # a dead branch stays within one layer
         if any(last_write.get(n, -1) >= k for n in live):
             continue  # written in place later: its producer's segment must run up to that write
         nxt = ops[k]

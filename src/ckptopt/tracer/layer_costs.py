@@ -54,6 +54,7 @@ class LayerMeasurement:
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
     side_in_grad_shares: tuple = ()  # ... one storage with the chain input's gradient ("main") or another's
     gh: int = 0  # what the peak of the backward gains when the output gradient outlives it
+    ga: int | None = None  # bytes of the output's gradient (less than a for a view of a larger storage)
     frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
     frame_post: int | None = None
     side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
@@ -485,6 +486,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         raise TypeError(f"the layer returned {len(outs)} values for {side_outputs} side outputs")
                     y = outs[0] if main_output else None
                     side_ys = outs[1:] if main_output else outs
+                    del outs  # (a list that held the outputs would keep them alive through the backward)
                 else:
                     side_ys = []
                 if main_output and not isinstance(y, torch.Tensor):
@@ -538,6 +540,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     reached = _reachable([o for o in outs_all if o.requires_grad])
                     roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
                               if p and t.requires_grad and t.grad_fn in reached]
+                    del reached  # (autograd nodes: holding them keeps what they hold)
                 held_input = x  # held through the backward; see _backward_peaks for the other cases
                 held_sides = sides
                 del x, y, ys, side_ys
@@ -560,6 +563,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 elif roots:
                     torch.autograd.backward(roots, [torch.empty(0, device=dev) if r.dim() else None for r in roots])
                 out_grads = record.get("grad_bytes", 0)
+                # the output's own gradient (a view output's is the view's size, not its storage's)
+                ga = min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else a
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
                 pending += side_record.get("pending", 0)
@@ -605,7 +610,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         bk=int(peaks[2] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
-        rg=int(max(0, first_unpack[0] - backward_start - pending)) if first_unpack else int(a),
+        # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller
+        rg=int(max(0, first_unpack[0] - backward_start - pending) - ga + a) if first_unpack else int(a),
+        ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
         buffer_bytes=int(buffer_bytes),

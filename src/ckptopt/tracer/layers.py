@@ -243,7 +243,7 @@ def _grad_storages(layers: list[Layer]) -> tuple[list[int], list[int]]:
     """Per layer, the bytes of the storage its output gradient lives in and the layer whose output
     gradient that storage is: a view of a larger tensor when the next layer's backward hands out a
     slice (a concatenation's), kept whole while the layer runs."""
-    grad_store = [l.costs.a for l in layers]
+    grad_store = [l.costs.a if l.costs.ga is None else l.costs.ga for l in layers]
     grad_root = list(range(len(layers)))
     for i in range(len(layers) - 1, 0, -1):
         m = layers[i].costs

@@ -113,16 +113,19 @@ def merge_aliased(groups: list[list[fx.Node]], static: set[fx.Node], values: dic
     while True:
         _, readers = _crossing(groups, static, values, out_node)
         group_of = {n: j for j, members in enumerate(groups) for n in members}
-        live: list[list[Any]] = [[] for _ in range(len(groups) + 1)]
+        live: list[list[tuple[fx.Node, Any]]] = [[] for _ in range(len(groups) + 1)]
         for n, later in readers.items():
             for b in range(group_of[n] + 1, max(later) + 1):
-                live[b].extend(tensor_leaves(values.get(n)))
+                live[b].extend((n, t) for t in tensor_leaves(values.get(n)))
         merge = None
         for b in range(2, len(groups)):
             if not always and len(live[b]) < 2 and len(live[b - 1]) < 2:
                 continue
-            if any(x is y or torch._C._is_alias_of(x, y) for x in live[b] for y in live[b - 1]
-                   if not any(x is z for z in live[b - 1])):
+            before = {n for n, _ in live[b - 1]}
+            # a node computed just before the boundary whose value is (or views) one crossing the
+            # boundary before (the same node crossing both is no alias: it just passes over)
+            if any(x is y or torch._C._is_alias_of(x, y) for n, x in live[b] if n not in before
+                   for _, y in live[b - 1]):
                 merge = b
                 break
         if merge is None:
