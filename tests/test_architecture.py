@@ -31,7 +31,6 @@ STAGES = [
     ("tracer",),
     ("rewriter",),
     ("api", "measure", "planning", "calibration"),
-    ("experimental",),
     ("cli", "zoo", "_models"),
 ]
 TORCH_FREE = {"errors", "units", "costs", "plan", "sides", "simulator", "solvers"}
@@ -124,11 +123,6 @@ def test_solver_side_imports_no_torch():
             if dep == "torch" or dep.startswith("torch."):
                 bad.append(f"{name} reaches {dep}")
     assert not bad, bad
-
-
-def test_experimental_simulator_imports_no_torch():
-    reach = nx.descendants(GRAPH, "ckptopt.experimental.dag")
-    assert not any(d == "torch" or d.startswith("torch.") for d in reach), sorted(reach)
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -81,11 +81,10 @@ CASES = {
 # checkpointed segment after the attention half of a block is over-predicted by 120 bytes of
 # 38,408 (0.3%). Every other plan of these models is exact to the byte.
 TOLERANCE = {"gpt": 0.005}
-# With several tensors crossing a cut, some plans are over-predicted (a side tensor's gradient
-# that views a larger storage while a later consumer's contribution is summed in): by up to 11% of
-# these tiny models' peak (densenet-like plan (6,), 2,048 B of 18,752), never under. The zoo's
-# DenseNet-121, U-Net, ResNet-50 and GPT are exact to the byte on their optimal plans.
-OVER_SIDE = 0.12
+# With several tensors crossing a cut, a few plans are over-predicted, never under: a layer whose
+# input dies at its last use inside the layer is measured with the input held (its forward
+# transient f), which finer cuts expose more often (gpt plan (7, 12): 1,016 B of 39,432, 2.6%).
+OVER_SIDE = 0.03
 LONG = os.environ.get("CKPTOPT_DAG_LONG", "") not in ("", "0")
 SAMPLE = 40  # plans with three cuts or more, per model, in the default profile
 

@@ -73,7 +73,7 @@ def test_bad_side_tensors_are_refused_with_the_field():
                         ([{"bytes": 4, "producer": 0, "consumers": [2], "saved_by": [1]}], "neither"),
                         ([{"bytes": -4, "producer": 0, "consumers": [2]}], "negative"),
                         ([{"bytes": 4, "consumers": [2]}], "lacks 'producer'"),
-                        ([{"bytes": 4, "producer": 0, "consumers": [2], "grad": 2}], "smaller")):
+                        ([{"bytes": 4, "producer": 0, "consumers": [2], "grad_by": [3]}], "not all consumers")):
         with pytest.raises(InvalidCosts, match=words):
             ChainCosts(**base, side=side)
 

@@ -171,12 +171,11 @@ def measure_plans_fake(model: nn.Module, example_inputs: Any, traced: TracedMode
     Parameters
     ----------
     traced : TracedModel
-        ``ckptopt.trace(model, x)`` (for a node-level plan, the node trace's ``.traced``).
+        ``ckptopt.trace(model, x)``.
     plans : iterable of Plan or tuple of int
         A tuple is a chain plan (segment-start layers) for ``traced``.
     apply : callable, default :func:`ckptopt.apply_plan`
-        ``apply(model, traced, plan)`` rewrites the fake copy with a plan
-        (``ckptopt.experimental.apply_node_plan`` for node-level plans).
+        ``apply(model, traced, plan)`` rewrites the fake copy with a plan.
     """
     check_module(model, "measure_plans_fake")
     inputs = normalize_inputs(example_inputs)

@@ -168,8 +168,7 @@ class CheckpointedModule(nn.Module):
         The model it wraps (modules, parameters and buffers are shared).
     """
 
-    def __init__(self, model: nn.Module, traced: TracedModel, plan: Plan,
-                 node_groups: tuple[list[list[fx.Node]], list[bool]] | None = None):
+    def __init__(self, model: nn.Module, traced: TracedModel, plan: Plan):
         super().__init__()
         # share the original's module tree: same state_dict keys, same tensors, same order
         self._modules = model._modules
@@ -187,8 +186,7 @@ class CheckpointedModule(nn.Module):
         self._ph_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._copy_root_attrs(model, gm)
-        # node groups: a plan over graph nodes rather than the chain's layers (ckptopt.experimental)
-        groups = node_groups if node_groups is not None else self._chain_groups(traced, plan)
+        groups = self._chain_groups(traced, plan)
         self._segments = _segments_of_groups(gm, *groups)
         self._hooks = self._install_bn_hooks(gm)
 
@@ -316,8 +314,6 @@ class CheckpointedModule(nn.Module):
         """
         from .tracer.chain import trace_captured
 
-        if not isinstance(self.plan, Plan):
-            raise TypeError("predicted_peak_for needs a chain plan (ckptopt.Plan)")
         tm = trace_captured(self.original, self.traced.capture, Inputs(args, kwargs), self.traced.loss_fn,
                             self.traced.max_crossing)
         if tm.n != self.traced.n:
@@ -329,12 +325,6 @@ class CheckpointedModule(nn.Module):
     def explain(self) -> str:
         """A readable account of the plan: segments, what each keeps, the predicted peak."""
         tm, plan = self.traced, self.plan
-        if not isinstance(plan, Plan):  # a node-level plan (ckptopt.experimental)
-            return "\n".join([f"ckptopt node-level plan for {type(self.original).__name__}: {plan}, "
-                              f"predicted peak {format_bytes(plan.peak_bytes)}"] +
-                             [f"  segment {s.index} ({'checkpointed' if s.wrapped else 'not wrapped'}): "
-                              f"{s.nodes[0]} .. {s.nodes[-1]}, inputs {', '.join(s.input_names) or '-'}"
-                              for s in self._segments])
         costs = tm.costs
         base, pred = self.baseline_peak_bytes, self.predicted_peak_bytes
         stored = set(plan.stored)

@@ -49,7 +49,8 @@ class SideTensor:
     saved_by : tuple of int
         The layers among ``producer`` and ``consumers`` that save it for their backward.
     grad : int or None
-        Bytes of its gradient's storage (None: ``bytes``; 0: it needs no gradient).
+        Bytes of its gradient's storage (None: ``bytes``; 0: it needs no gradient; less than
+        ``bytes`` for a view of a larger storage, one chunk of a projection).
     name : str
         A label (the graph node), for display.
     saved_pre, saved_post : tuple of int
@@ -276,9 +277,6 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if bad:
             raise InvalidCosts(f"{where}: saved_by {bad} are neither its producer nor a consumer", field="side",
                                index=k)
-        if grad is not None and 0 < grad < size:
-            raise InvalidCosts(f"{where}: grad {grad} is smaller than the tensor ({size}); the gradient's storage "
-                               "is at least its size, or 0 when it needs none", field="side", index=k)
         view = t.grad_view
         if isinstance(view, bool) or not isinstance(view, (int, np.integer)) or not (view == -1 or 0 <= view < n):
             raise InvalidCosts(f"{where}: grad_view {view!r} is not -1 or a layer index", field="side", index=k)

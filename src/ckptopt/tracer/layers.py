@@ -197,14 +197,18 @@ class _Found:
     grad: dict[int, int]  # side tensor -> bytes of its gradient's storage
     view: dict[int, tuple[str, int]]  # side tensor -> ("in"/"out", layer) whose gradient storage it views
     grad_by: dict[int, set[int]]  # side tensor -> the consumers whose backward adds to its gradient
+    release: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
-        for t, saved in zip(io.side_in, m.side_in_saved):
+        for t, saved, rel in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in)):
             if saved:
                 self.saved[t].add(j)
-        for t, saved in zip(io.side_out, m.side_out_saved):
+                self.release[(t, j)] = rel
+        for t, saved, rel in zip(io.side_out, m.side_out_saved, m.side_out_release or [None] * len(io.side_out)):
             if saved:
                 self.saved[t].add(j)
+                self.release[(t, j)] = rel
         for t, gbytes, is_out, shares in zip(io.side_in, m.side_in_grad, m.side_in_grad_is_out,
                                               m.side_in_grad_shares):
             if gbytes is not None:
@@ -223,7 +227,8 @@ class _Found:
         for t, node in enumerate(streams.nodes):
             v = values[node]
             size = storage_nbytes(v)
-            grad = self.grad.get(t, size) if v.requires_grad else 0
+            own = v.numel() * v.element_size()  # its gradient's size (a view's: less than its storage)
+            grad = self.grad.get(t, own) if v.requires_grad else 0
             view = -1
             if grad and t in self.view:  # one storage with a chain gradient: counted once
                 kind, u = self.view[t]
@@ -233,8 +238,14 @@ class _Found:
             gby = tuple(sorted(self.grad_by[t]))
             if not gby:  # no consumer adds to its gradient
                 grad, view = 0, -1
-            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], tuple(sorted(self.saved[t])),
-                                   max(grad, size) if grad else 0, node.name, view, (), (),
+            savers = tuple(sorted(self.saved[t]))
+            # each saver's backward peak before and after its saved reference goes (the last saver
+            # to let go frees it mid-backward, before the gradients it makes are summed in)
+            rel = [self.release.get((t, u)) for u in savers]
+            pre, post = ((tuple(int(r[0]) for r in rel), tuple(int(r[1]) for r in rel))
+                         if savers and all(r is not None for r in rel) else ((), ()))
+            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
+                                   max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else ()))
         return side
 
