@@ -46,6 +46,26 @@ def instance(n: int, seed: int) -> ChainCosts:
     )
 
 
+SIDE_SIZES = [100, 300, 1000, 2000]
+SIDE_QUICK = [100, 300]
+
+
+def side_instance(n: int, seed: int) -> ChainCosts:
+    """A full-form chain with side tensors (docs/design.md §4): an encoder output made halfway and
+    read (and saved) by every fourth later layer, a bias read by every fifth, and a two-layer skip
+    every seventh layer."""
+    from ckptopt.costs import SideTensor
+
+    rng = np.random.default_rng(seed)
+    a = rng.integers(1000, 100_000, n)
+    side = [SideTensor(200_000, n // 2, tuple(range(n // 2 + 1, n, 4)), tuple(range(n // 2 + 1, n, 8))),
+            SideTensor(30_000, n // 2 + 1, tuple(range(n // 2 + 2, n, 5)), tuple(range(n // 2 + 2, n, 5)))]
+    side += [SideTensor(int(a[k]), k, (k + 2,), (k + 2,)) for k in range(1, n - 3, 7)]
+    return ChainCosts(a=a, p=rng.integers(0, 1000, n), sin=rng.integers(0, 2, n), sout=rng.integers(0, 2, n),
+                      m=rng.integers(0, 50_000, n), f=a + rng.integers(0, 1000, n), b=2 * a + rng.integers(0, 1000, n),
+                      side=side)
+
+
 def optimum_pass(c: ChainCosts, s: str) -> tuple[float, int]:
     """Seconds of the solver's first pass alone (the compiled kernel) and the value it finds."""
     full = not c.is_additive
@@ -103,6 +123,13 @@ def main() -> None:
         print(f"n={n:>8}: " + "  ".join(f"{s} {times[s][n]:.4g}s (solve {solve_times[s][n]:.4g}s)" for s in runs),
               flush=True)
 
+    side_times: dict[int, float] = {}
+    for n in (SIDE_QUICK if args.quick else SIDE_SIZES):  # exact side-tensor program (solvers.streams)
+        c = side_instance(n, seed=n)
+        ts = [solve(c, "dp2").solve_seconds for _ in range(args.repeats)]
+        side_times[n] = statistics.median(ts)
+        print(f"side tensors, n={n:>6}: dp2 solve {side_times[n]:.4g}s ({len(c.side)} side tensors)", flush=True)
+
     slopes = {}
     for s in sizes:
         ns = [n for n in sizes[s] if n >= (FIT_FROM[s] if not args.quick else 0)]
@@ -120,7 +147,8 @@ def main() -> None:
     )
     result = dict(meta=meta, seconds={s: {str(n): t for n, t in v.items()} for s, v in times.items()},
                   solve_seconds={s: {str(n): t for n, t in v.items()} for s, v in solve_times.items()},
-                  slopes=slopes, peaks_agree_at=sorted(agree))
+                  slopes=slopes, peaks_agree_at=sorted(agree),
+                  side_solve_seconds={str(n): t for n, t in side_times.items()})
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "solver_scaling_quick" if args.quick else "solver_scaling"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -131,6 +159,7 @@ def main() -> None:
     for s in sizes:
         cells = [f"{times[s][n]:.3g} s" if n in times[s] else "" for n in all_n]
         print(f"| {s} | " + " | ".join(cells) + f" | {slopes[s]:.2f} |")
+    print("\nwith side tensors (dp2, whole solve()): " + ", ".join(f"n={n:,}: {t:.3g} s" for n, t in side_times.items()))
     print("\nwhole solve() (tie-break included):")
     print("| solver | " + " | ".join(f"n={n:,}" for n in all_n) + " |")
     print("|---|" + "---|" * len(all_n))

@@ -36,7 +36,7 @@ from .cuts import MAX_CROSSING, candidate_groups
 from .streams import layer_streams, merge_aliased, merge_outputless
 from .layers import Layer, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
-from .statics import place_statics, static_nodes
+from .statics import param_views, place_statics, static_nodes
 
 __all__ = ["trace", "TracedModel", "Layer"]
 
@@ -234,9 +234,10 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     derived = captured.front_end != "fx"
     static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
                                                            if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
+    static |= param_views(fake_gm, values)  # (a weight's transpose: the parameter's storage, placed like a static)
     groups = candidate_groups(fake_gm, values, static, max_crossing)
     hoisted: list[fx.Node] = []
-    if derived:
+    if derived or any(n.op != "placeholder" for n in static):
         groups, hoisted = place_statics(groups, static, values)
     groups = [g for g in groups if g]  # (empty: made only of hoisted or moved nodes)
     out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
@@ -263,6 +264,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
     kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
     hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
+    fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
     hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
                      - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
     costs = ChainCosts(

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from ..torch_utils import tensor_leaves
 
-__all__ = ["static_nodes", "place_statics", "is_random"]
+__all__ = ["static_nodes", "param_views", "place_statics", "is_random"]
 
 _RANDOM = re.compile(r"dropout|rand|bernoulli|normal|multinomial|rrelu|uniform|exponential|poisson|cauchy|"
                      r"geometric")
@@ -67,6 +67,28 @@ def static_nodes(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]
         elif all(a in static for a in n.all_input_nodes) and not is_random(gm, n):
             static.add(n)
     return static
+
+
+def param_views(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]:
+    """Op nodes that only view a parameter or buffer (``weight.T``, a reshape of a weight): their
+    storage is the parameter's, static memory, so they never cross a cut as an activation. They
+    are placed like static values (:func:`place_statics`): in the one layer that reads them, or
+    computed once before the first layer when several do (a view costs no memory)."""
+    import torch
+
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not n.all_input_nodes:
+            continue
+        v = values.get(n)
+        if not isinstance(v, torch.Tensor):
+            continue
+        ins = [a for a in n.all_input_nodes]
+        if all(a.op == "get_attr" or a in out for a in ins) and any(
+                isinstance(values.get(a), torch.Tensor) and torch._C._is_alias_of(v, values[a]) for a in ins) \
+                and not is_random(gm, n):
+            out.add(n)
+    return out
 
 
 def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],

@@ -122,10 +122,13 @@ def merge_aliased(groups: list[list[fx.Node]], static: set[fx.Node], values: dic
             if not always and len(live[b]) < 2 and len(live[b - 1]) < 2:
                 continue
             before = {n for n, _ in live[b - 1]}
-            # a node computed just before the boundary whose value is (or views) one crossing the
-            # boundary before (the same node crossing both is no alias: it just passes over)
-            if any(x is y or torch._C._is_alias_of(x, y) for n, x in live[b] if n not in before
-                   for _, y in live[b - 1]):
+            after = {n for n, _ in live[b]}
+            # the layer between only hands storages on: everything it adds to what crosses is (or
+            # views) a tensor that crossed the boundary before and stops there (a same-dtype cast,
+            # an assertion, a view). A layer that also computes something is a layer.
+            new = [x for n, x in live[b] if n not in before]
+            handed = [y for m, y in live[b - 1] if m not in after]
+            if new and handed and all(any(x is y or torch._C._is_alias_of(x, y) for y in handed) for x in new):
                 merge = b
                 break
         if merge is None:
