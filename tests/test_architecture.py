@@ -29,7 +29,7 @@ STAGES = [
     ("solvers",),
     ("torch_utils", "tracker"),
     ("tracer",),
-    ("rewriter",),
+    ("rewriter", "inplace"),
     ("api", "measure", "planning", "calibration"),
     ("cli", "zoo", "_models"),
 ]

@@ -30,7 +30,8 @@ def optimize_checkpoints(
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
     calibrate: bool | None = None,
-) -> CheckpointedModule:
+    in_place: bool | None = None,
+) -> nn.Module:
     """Return ``model`` rewritten to train with the lowest peak memory.
 
     Parameters
@@ -73,13 +74,20 @@ def optimize_checkpoints(
         Run each layer once on the device (:mod:`ckptopt.calibration`): library
         workspaces and allocator scratch join the predicted peak, and recomputation
         is priced in measured seconds. Default: on CUDA, off elsewhere.
+    in_place : bool, optional
+        Attach the plan to ``model`` itself and return ``model`` (:mod:`ckptopt.inplace`):
+        it stays an instance of its class, with its own forward signature, ``config`` and
+        ``save_pretrained``, as HuggingFace's ``Trainer``, PEFT, accelerate and TRL expect.
+        Default: for transformers, PEFT and diffusers models; other models get a wrapper.
+        ``ckptopt.detach(model)`` undoes it.
 
     Returns
     -------
-    CheckpointedModule
-        Drop-in module sharing ``model``'s parameters and buffers, with
-        ``.plan``, ``.predicted_peak_bytes`` and ``.explain()``; attributes it
-        does not have fall through to ``model`` (``.config``, ``.generate``).
+    nn.Module
+        ``model`` itself with the plan attached (``in_place``), or a
+        :class:`CheckpointedModule` sharing its parameters and buffers. Either has
+        ``.plan``, ``.predicted_peak_bytes``, ``.explain()`` and ``.predicted_peak_for()``;
+        a wrapper's missing attributes fall through to ``model`` (``.config``, ``.generate``).
         It returns what ``model`` returns (a ``ModelOutput``, a dict, a tuple).
         In eval mode, under ``torch.no_grad()`` and for calls that do not match
         the planned signature, a ``torch.export``-captured model runs its own
@@ -98,6 +106,10 @@ def optimize_checkpoints(
     check_capture_mode(capture)
     if budget is not None and budget != "device":
         check_budget(budget)  # and on a bad budget
+    from .inplace import attach, attached, detach, inspected_by_type
+
+    if attached(model) is not None:  # planned before: plan again from the model's own forward
+        detach(model)
     state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})
     try:
         tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
@@ -121,7 +133,10 @@ def optimize_checkpoints(
     base = simulate(tm.costs, ())
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
-    return apply_plan(model, tm, plan)
+    module = apply_plan(model, tm, plan)
+    if in_place if in_place is not None else inspected_by_type(model):
+        return attach(model, module)
+    return module
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -144,6 +144,15 @@ def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None) -
     With ``checkpoints``, ``model`` is traced and the plan applied to the fake
     copy (a rewritten module is not copied: it wraps the traced graph).
     """
+    from .inplace import attached
+
+    if attached(model) is not None:  # a model with a plan attached in place: its plan, on a plain copy
+        if checkpoints is not None:
+            raise ValueError("measure_peak: the model already has a ckptopt plan attached; pass checkpoints= "
+                             "with a plain model (ckptopt.detach(model)), or leave it out")
+        module = attached(model)
+        return _fake_peaks(model, inputs, loss_fn, [module.plan], lambda fm, p: apply_plan(fm, module.traced, p),
+                           timeline=True)[0]
     if isinstance(model, CheckpointedModule):
         # a rewritten module is not copied (deep-copying its graphs overflows the recursion
         # limit on large models): its plan is applied again to a fake copy of the original

@@ -177,6 +177,9 @@ class CheckpointedModule(nn.Module):
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
         object.__setattr__(self, "original", model)
+        # the model's own forward, for calls the plan does not cover (eval, no_grad, other keywords):
+        # the module itself, or, once attached in place (ckptopt.inplace), its class's forward
+        object.__setattr__(self, "_original_forward", model)
         object.__setattr__(self, "traced", traced)
         object.__setattr__(self, "plan", plan)
         self.predicted_peak_bytes = plan.peak_bytes
@@ -271,15 +274,16 @@ class CheckpointedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         captured = self.traced.capture
-        active = self.training and torch.is_grad_enabled()
+        training = self.original.training  # (the model's own flag: .train()/.eval() may be called on it)
+        active = training and torch.is_grad_enabled()
         exported = captured.front_end != "fx"
-        if exported and (not active or self.training != captured.training):
+        if exported and (not active or training != captured.training):
             # an exported graph has the training mode baked in: eval, no_grad and generate() run
             # the original forward (nothing to recompute there anyway)
-            return self.original(*args, **kwargs)
+            return self._original_forward(*args, **kwargs)
         vals = captured.bind(Inputs(args, kwargs))
         if vals is None:  # not the planned call (other keywords, flags or dtypes): the original forward
-            return self.original(*args, **kwargs)
+            return self._original_forward(*args, **kwargs)
         if not exported:
             self._check_shapes(vals)
         env = dict(zip(self._ph_names, vals))

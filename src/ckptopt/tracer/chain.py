@@ -253,8 +253,9 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     layers, side, grad_store, grad_root, param_owner = measure_layers(
         fake_gm, fake_mode, groups, streams, readable, values, placeholders, captured, loss_fn, model_output,
         single_output)
-    # parameter bytes are charged to the last layer that uses them (tied weights once)
-    fake_params = {id(p): p for p in fake_gm.parameters()}
+    # gradient bytes of the parameters, charged to the last layer that uses them (tied weights once);
+    # a frozen parameter (a LoRA base weight) gets none
+    fake_params = {id(p): p for p in fake_gm.parameters() if p.requires_grad}
     p_bytes = [0] * len(layers)
     for pid, j in param_owner.items():
         p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params else 0

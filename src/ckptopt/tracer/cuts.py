@@ -87,7 +87,7 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
 
     A cut before op ``k`` is a candidate when between 1 and ``max_crossing`` tensors computed
     before ``k`` are used at or after it (its *live set*; ``static`` nodes never count: any
-    layer may read them), each requires grad, no two share a storage, none is the input of a
+    layer may read them), at least one requires grad, no two share a storage, none is the input of a
     view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it) or
     written in place at or after ``k`` (a checkpoint would find its input modified) or on a
     dead branch (no gradient reaches it: its saved tensors die in the forward),
@@ -141,8 +141,8 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
         if not 1 <= len(live) <= max_crossing or k <= input_last:
             continue
         vals = [values.get(n) for n in live]
-        if not all(isinstance(v, torch.Tensor) and v.requires_grad for v in vals):
-            continue
+        if not all(isinstance(v, torch.Tensor) for v in vals) or not any(v.requires_grad for v in vals):
+            continue  # (a tensor needing no gradient, a frozen layer's output, may cross beside one that does)
         if any(torch._C._is_alias_of(a, b) for i, a in enumerate(vals) for b in vals[i + 1:]):
             continue  # a view crossing with its base: one storage, two tensors
         if any(n not in reaching for n in live):

@@ -594,7 +594,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             tracker.detach()
 
     sout = y_ptr is not None and y_ptr in saved
-    sin = x_ptr is not None and x_ptr in saved and x_ptr != y_ptr
+    # a side output that is the input itself (a same-dtype cast of a residual crossing on to later
+    # layers) carries that storage from here: counted once, as the side tensor
+    sin = x_ptr is not None and x_ptr in saved and x_ptr != y_ptr and x_ptr not in side_y_ptrs
     side_keys = set(side_ptrs) | set(side_y_ptrs)
     other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {x_ptr, y_ptr} - side_keys
     return LayerMeasurement(

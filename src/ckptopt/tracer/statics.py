@@ -57,14 +57,17 @@ def is_random(gm: fx.GraphModule, n: fx.Node) -> bool:
 
 def static_nodes(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]:
     """The nodes whose values are static: no tensor in them requires grad, and they are model
-    inputs, attributes (buffers, constants), or computed by deterministic ops from static values."""
+    inputs, attributes (buffers, constants; not parameters, even frozen ones), or computed by
+    deterministic ops from static values."""
     static: set[fx.Node] = set()
+    # a frozen parameter is no static *input*: what the graph computes from it (the hidden states of a
+    # frozen embedding and frozen projections, under LoRA) is activation memory, freed after its use
     for n in gm.graph.nodes:
         if n.op == "output" or any(t.requires_grad for t in tensor_leaves(values.get(n))):
             continue
-        if n.op in ("placeholder", "get_attr"):
+        if n.op == "placeholder" or (n.op == "get_attr" and not isinstance(_attr(gm, n.target), nn.Parameter)):
             static.add(n)
-        elif all(a in static for a in n.all_input_nodes) and not is_random(gm, n):
+        elif n.op != "get_attr" and all(a in static for a in n.all_input_nodes) and not is_random(gm, n):
             static.add(n)
     return static
 

@@ -76,8 +76,8 @@ def layer_streams(groups: list[list[fx.Node]], static: set[fx.Node], values: dic
             continue
         candidates = []
         for n in groups[b - 1]:
-            if not isinstance(values.get(n), torch.Tensor) or n not in readers:
-                continue
+            if not isinstance(values.get(n), torch.Tensor) or not values[n].requires_grad or n not in readers:
+                continue  # (the chain tensor carries a gradient; one that needs none is a side tensor)
             # read by layer b only, or by b..q where b..q-1 compute nothing later layers read and
             # so hand it on (a layer of dead ops: its output is its input, as on a plain chain)
             q = b
