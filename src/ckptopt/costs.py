@@ -112,6 +112,10 @@ _FORMAT = "ckptopt.ChainCosts"
 _VERSION = 1
 
 
+#: Fields relative to a layer's backward start, which an input freed during the backward can put below 0.
+_SIGNED_FIELDS = ("fpre", "fpost")
+
+
 def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
     """Convert ``values`` to a read-only 1-D int64 array, or raise InvalidCosts."""
     if isinstance(values, (str, bytes)) or values is None:
@@ -168,7 +172,7 @@ def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
             )
     out = arr.astype(np.int64)
     neg = out < 0
-    if neg.any():
+    if neg.any() and field not in _SIGNED_FIELDS:
         i = int(np.flatnonzero(neg)[0])
         raise InvalidCosts(
             f"field {field!r} index {i}: {int(out[i])} is negative; sizes are non-negative bytes",

@@ -43,7 +43,8 @@ class SideTensor:
     bytes : int
         Bytes of its storage.
     producer : int
-        The layer that computes it.
+        The layer that computes it; -1 for a value computed once before the first layer (a
+        mask or rotary table several layers read, which no checkpoint recomputes).
     consumers : tuple of int
         The later layers that read it, increasing (at least one, each after ``producer``).
     saved_by : tuple of int
@@ -262,9 +263,9 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         size = _count(f"side[{k}].bytes", t.bytes)
         grad = None if t.grad is None else _count(f"side[{k}].grad", t.grad)
         prod = t.producer
-        if isinstance(prod, bool) or not isinstance(prod, (int, np.integer)) or not 0 <= prod < n - 1:
+        if isinstance(prod, bool) or not isinstance(prod, (int, np.integer)) or not -1 <= prod < n - 1:
             raise InvalidCosts(f"{where}: producer {prod!r} is not a layer in 0..{n - 2} (a side tensor is read by "
-                               "a later layer)", field="side", index=k)
+                               "a later layer), or -1 (computed before the first layer)", field="side", index=k)
         cons = tuple(t.consumers)
         if not cons or any(isinstance(u, bool) or not isinstance(u, (int, np.integer)) for u in cons):
             raise InvalidCosts(f"{where}: consumers must be a non-empty list of layer indices, got {cons!r}",

@@ -34,7 +34,7 @@ from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
 from .cuts import MAX_CROSSING, candidate_groups
 from .streams import layer_streams, merge_aliased, merge_outputless
-from .layers import Layer, measure_layers
+from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
 from .statics import param_views, place_statics, static_nodes
 
@@ -264,6 +264,12 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
     fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
     kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
+    # hoisted values the layers read live as side tensors made before the first layer (held while a
+    # layer that saves them, or a checkpoint's frame, does: not for the whole step); the rest (read
+    # by the model's output) stay static
+    early, kept = hoisted_side_tensors(kept, layers, values, out_node,
+                                       fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers()))
+    side = list(side) + early
     hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
     fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
     hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
@@ -279,6 +285,12 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
         names=[l.name for l in layers], c=[l.flops for l in layers], side=side,
         groot=grad_root if side else None, gh=[l.costs.gh for l in layers] if side else None,
+        # each layer's backward peak before and after its last saved tensor goes (a checkpoint's frame,
+        # and the side tensors only it holds, go then)
+        fpre=[int(l.costs.frame_pre or 0) for l in layers] if side and all(
+            l.costs.frame_pre is not None for l in layers) else None,
+        fpost=[int(l.costs.frame_post or 0) for l in layers] if side and all(
+            l.costs.frame_pre is not None for l in layers) else None,
     )
     graph = _nx_graph(gm, values, fake_gm)
     constants = {n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)}

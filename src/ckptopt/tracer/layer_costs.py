@@ -59,6 +59,8 @@ class LayerMeasurement:
     frame_post: int | None = None
     side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
     side_out_release: tuple = ()  # per side output: the same
+    static_in_saved: tuple[bool, ...] = ()  # per static input: the layer saves it
+    static_in_release: tuple = ()  # per static input: (b before, b from) its last saved reference's release
 
     @property
     def saved_bytes(self) -> int:
@@ -399,6 +401,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             gc.collect()
         static_inputs = list(static_inputs)
         static_bytes, static_ptrs = storage_bytes(static_inputs, fake=fake)
+        static_keys = []
+        for t in static_inputs:
+            st = real_storage(t, fake) if isinstance(t, torch.Tensor) else None
+            static_keys.append(storage_key(st) if st is not None else None)
         casts = _autocast_weight_casts(module, ([example_input] if example_input is not None else []) + side_inputs,
                                        static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
@@ -582,6 +588,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                  if alive_keys.get(key) else None) for key in side_ptrs]
                 side_out_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                      if alive_keys.get(key) else None) for key in side_y_ptrs]
+                static_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
+                                   if key is not None and alive_keys.get(key) else None) for key in static_keys]
                 # the output gradient held to the end of the backward (a side tensor's gradient
                 # viewing its storage keeps it): what that adds to the peak
                 gh = 0
@@ -629,6 +637,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         frame_post=int(frame[1]),
         side_in_release=tuple(side_release),
         side_out_release=tuple(side_out_release),
+        static_in_saved=tuple(k is not None and k in saved for k in static_keys),
+        static_in_release=tuple(static_release),
     )
 
 

@@ -27,7 +27,11 @@ from .cuts import WithLoss, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
 from .streams import Streams
 
-__all__ = ["Layer", "measure_layers"]
+__all__ = ["Layer", "measure_layers", "hoisted_side_tensors"]
+
+#: Hoisted values become at most this many side tensors (grouped by who reads and saves them, else
+#: merged into one): each is a state bit of the exact programs at every boundary.
+MAX_EARLY = 2
 
 
 @dataclass(frozen=True)
@@ -248,6 +252,68 @@ class _Found:
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else ()))
         return side
+
+
+def hoisted_side_tensors(hoisted: list[fx.Node], layers: list[Layer], values: dict, out_node: fx.Node,
+                         free: list) -> tuple[list[SideTensor], list[fx.Node]]:
+    """``(side tensors, still static)`` for the hoisted static values (masks, rotary tables): those
+    the layers read become side tensors made before the first layer (producer -1, no gradient),
+    read by those layers and saved by those that save them; grouped by (readers, savers), merged
+    into one beyond :data:`MAX_EARLY` groups (a merged group is held while any part is: over, never
+    under). A value the model's output returns, or one sharing a storage with an input or a
+    parameter (a view of it), stays static."""
+    import torch
+
+    free_storages = [t for t in free if isinstance(t, torch.Tensor)]
+    still = []
+    # one entry per storage (views of one table, read by several layers, are one tensor)
+    by_storage: list[list] = []  # [value, nodes, readers, savers, releases]
+    for node in hoisted:
+        v = values.get(node)
+        readers = [j for j, l in enumerate(layers) if node.name in l.static_inputs]
+        if (not isinstance(v, torch.Tensor) or not readers or node in out_node.all_input_nodes
+                or any(u is out_node for u in node.users)
+                or any(torch._C._is_alias_of(v, t) for t in free_storages)):
+            still.append(node)
+            continue
+        savers, rel = [], {}
+        for j in readers:
+            k = layers[j].static_inputs.index(node.name)
+            m = layers[j].costs
+            if k < len(m.static_in_saved) and m.static_in_saved[k]:
+                savers.append(j)
+                rel[j] = m.static_in_release[k] if k < len(m.static_in_release) else None
+        entry = next((e for e in by_storage if e[0] is v or torch._C._is_alias_of(e[0], v)), None)
+        if entry is None:
+            by_storage.append([v, [node], set(readers), set(savers), rel])
+        else:
+            entry[1].append(node)
+            entry[2] |= set(readers)
+            entry[3] |= set(savers)
+            entry[4] = {j: (r if j not in entry[4] else None) for j, r in {**entry[4], **rel}.items()}
+    groups: dict[tuple, list] = {}
+    for v, nodes, readers, savers, rel in by_storage:
+        key = (tuple(sorted(readers)), tuple(sorted(savers)))
+        groups.setdefault(key, []).append((nodes[0], storage_nbytes(v), [rel.get(j) for j in key[1]]))
+    if len(groups) > MAX_EARLY:  # merged: the values some layer saves, and those none saves
+        merged: dict[tuple, list] = {}
+        for saved in (True, False):
+            keys = [key for key in groups if bool(key[1]) == saved]
+            if keys:
+                readers = tuple(sorted({j for key in keys for j in key[0]}))
+                savers = tuple(sorted({j for key in keys for j in key[1]}))
+                merged[(readers, savers)] = [(n, b, []) for key in keys for n, b, _ in groups[key]]
+        groups = merged
+    out = []
+    for (readers, savers), members in groups.items():
+        size = sum(b for _, b, _ in members)
+        pre = post = ()
+        if len(members) == 1 and savers and all(r is not None for r in members[0][2]):
+            pre = tuple(int(r[0]) for r in members[0][2])
+            post = tuple(int(r[1]) for r in members[0][2])
+        name = members[0][0].name + (f" (+{len(members) - 1})" if len(members) > 1 else "")
+        out.append(SideTensor(int(size), -1, readers, savers, 0, name, -1, pre, post))
+    return out, still
 
 
 def _grad_storages(layers: list[Layer]) -> tuple[list[int], list[int]]:
