@@ -431,7 +431,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t))
             else:
                 sides.append(h.pop())
-        side_ptrs = [storage_key(t.untyped_storage()) for t in sides]
+        side_ptrs = [_key(t, fake) for t in sides]
 
         # Every pack event: (a weak reference to what autograd keeps, storage key or None,
         # bytes, forward peak so far). A saved tensor counts only if autograd still keeps it
@@ -507,7 +507,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 ys = real_storage(y, fake) if y is not None else None
                 y_ptr = storage_key(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
-                side_y_ptrs = [storage_key(real_storage(t, fake)) for t in side_ys]
+                side_y_ptrs = [_key(t, fake) for t in side_ys]
                 if plain:
                     end = InjectGrad.apply(y, record)
                     if grads_exist:
@@ -640,6 +640,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         static_in_saved=tuple(k is not None and k in saved for k in static_keys),
         static_in_release=tuple(static_release),
     )
+
+
+def _key(t: torch.Tensor, fake: bool) -> Any:
+    """The storage key of ``t``, or None for an empty (or storage-less) tensor."""
+    s = real_storage(t, fake)
+    return storage_key(s) if s is not None else None
 
 
 def _reachable(outputs: list[torch.Tensor]) -> set:
