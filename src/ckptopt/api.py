@@ -108,7 +108,9 @@ def optimize_checkpoints(
         check_budget(budget)  # and on a bad budget
     from .inplace import attach, attached, detach, inspected_by_type
 
-    if attached(model) is not None:  # planned before: plan again from the model's own forward
+    from .inplace import planning_now
+
+    if attached(model) is not None and not planning_now(model):  # planned before: plan again from its own forward
         detach(model)
     state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})
     try:
@@ -134,6 +136,18 @@ def optimize_checkpoints(
     if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
         plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     module = apply_plan(model, tm, plan)
+    if tm.capture is not None and tm.capture.front_end != "fx":
+        # a training call of another structure (a keyword HF's Trainer adds, num_items_in_batch; another
+        # shape of a capture made at the example's shapes only) is planned the same way on first sight
+        def replan(call):
+            from .inplace import planning
+
+            with planning(model):
+                return optimize_checkpoints(model, call, solver=solver, budget=budget, loss_fn=loss_fn,
+                                            leaf_modules=leaf_modules, capture=capture, calibrate=calibrate,
+                                            in_place=False)
+
+        object.__setattr__(module, "_replan", replan)
     if in_place if in_place is not None else inspected_by_type(model):
         return attach(model, module)
     return module

@@ -18,15 +18,17 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from contextlib import contextmanager
 from typing import Any
 
 import torch.nn as nn
 
 from .rewriter import CheckpointedModule
 
-__all__ = ["attach", "detach", "attached", "inspected_by_type"]
+__all__ = ["attach", "detach", "attached", "inspected_by_type", "planning", "planning_now"]
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, CheckpointedModule]" = weakref.WeakKeyDictionary()
+_PLANNING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models being planned: their own forward runs
 _SUBCLASSES: dict[type, type] = {}
 
 #: Base classes whose instances tools inspect by type (module, class name): the model itself is
@@ -39,6 +41,24 @@ def inspected_by_type(model: nn.Module) -> bool:
     PEFT inspect by type and signature): the plan is then attached in place by default."""
     return any(c.__module__.startswith(mod) and c.__name__ == name for c in type(model).__mro__
                for mod, name in _BY_TYPE)
+
+
+@contextmanager
+def planning(model: nn.Module):
+    """While planning another call structure of an attached model (from inside its forward), the
+    model runs its own forward: the capture and the side-effect check see the model, not the plan."""
+    _PLANNING.add(model)
+    try:
+        yield
+    finally:
+        _PLANNING.discard(model)
+
+
+def planning_now(model: Any) -> bool:
+    try:
+        return model in _PLANNING
+    except TypeError:
+        return False
 
 
 def attached(model: Any) -> CheckpointedModule | None:
@@ -81,7 +101,7 @@ def _subclass(base: type) -> type:
     @functools.wraps(base.forward)
     def forward(self, *args, **kwargs):
         module = _ATTACHED.get(self)
-        if module is None:  # a deep copy of an attached model: a plain model
+        if module is None or self in _PLANNING:  # a deep copy (a plain model), or being planned
             return base.forward(self, *args, **kwargs)
         return module(*args, **kwargs)
 

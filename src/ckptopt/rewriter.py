@@ -185,6 +185,9 @@ class CheckpointedModule(nn.Module):
         self.predicted_peak_bytes = plan.peak_bytes
         self.baseline_peak_bytes = simulate(traced.costs, ()).peak_bytes
         self._warned_shapes = False
+        self._warned_unplanned = False
+        object.__setattr__(self, "_replan", None)  # set by optimize_checkpoints: plans another call structure
+        object.__setattr__(self, "_variants", {})  # call structure -> CheckpointedModule (or None: failed)
         gm = traced.gm
         self._ph_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
         self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
@@ -272,6 +275,23 @@ class CheckpointedModule(nn.Module):
             )
             self._warned_shapes = True
 
+    def _variant(self, call: Inputs) -> "CheckpointedModule | None":
+        """The plan for a call structure the capture does not cover, made on first sight and cached;
+        None when planning it failed (the call then runs the original forward, with a warning)."""
+        key = call_structure(call, static_shapes=not self.traced.capture.dynamic)
+        if key not in self._variants:
+            try:
+                variant = self._replan(call)
+            except Exception as exc:  # noqa: BLE001 - reported, and the call runs the original forward
+                warnings.warn(f"ckptopt: planning a training call of {type(self.original).__name__} with another "
+                              f"structure ({key[0]}) failed: {type(exc).__name__}: {exc}", stacklevel=3)
+                variant = None
+            if variant is not None:
+                object.__setattr__(variant, "_original_forward", self._original_forward)
+                object.__setattr__(variant, "_replan", None)
+            self._variants[key] = variant
+        return self._variants[key]
+
     def forward(self, *args, **kwargs):
         captured = self.traced.capture
         training = self.original.training  # (the model's own flag: .train()/.eval() may be called on it)
@@ -282,7 +302,21 @@ class CheckpointedModule(nn.Module):
             # the original forward (nothing to recompute there anyway)
             return self._original_forward(*args, **kwargs)
         vals = captured.bind(Inputs(args, kwargs))
+        if vals is None and active and self._replan is not None:
+            # another call structure (a keyword Trainer adds, a flag, a static capture's other shape):
+            # planned on first sight and cached (one capture, trace and solve: seconds)
+            variant = self._variant(Inputs(args, kwargs))
+            if variant is not None:
+                return variant(*args, **kwargs)
         if vals is None:  # not the planned call (other keywords, flags or dtypes): the original forward
+            if active and not self._warned_unplanned:
+                self._warned_unplanned = True
+                why = ("the graph was exported at the example's shapes only (" + "; ".join(captured.notes) + ")"
+                       if exported and not captured.dynamic else
+                       "its keywords, flags or dtypes differ from the planned call's")
+                warnings.warn(f"ckptopt: this training call of {type(self.original).__name__} runs the original forward "
+                              f"without checkpointing: {why}. Plan with such a batch (optimize_checkpoints) to "
+                              "checkpoint it.", stacklevel=2)
             return self._original_forward(*args, **kwargs)
         if not exported:
             self._check_shapes(vals)
@@ -380,6 +414,18 @@ class CheckpointedModule(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def call_structure(call: Inputs, static_shapes: bool = False) -> tuple:
+    """What a capture fixes about a call: its keywords and argument count, its non-tensor values,
+    each tensor's dtype and rank (and shape, for a capture at the example's shapes only)."""
+    def one(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", v.dtype, tuple(v.shape) if static_shapes else v.dim())
+        return ("value", repr(v)[:64])
+
+    return (tuple(sorted(call.kwargs)), len(call.args), tuple(one(v) for v in call.args),
+            tuple((k, one(call.kwargs[k])) for k in sorted(call.kwargs)))
 
 
 def _attr(root: nn.Module, target: str):

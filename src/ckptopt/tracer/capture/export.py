@@ -70,15 +70,16 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     notes: list[str] = []
     if leaf_modules:
         notes.append("leaf_modules applies to torch.fx only; torch.export captures every op")
+    target = _named_call(model, inputs)
     with _no_cache(model, notes):
         try:
-            ep = export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False,
-                        dynamic_shapes=_dynamic_shapes(model, inputs))
+            ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False,
+                        dynamic_shapes=_dynamic_shapes(target, inputs))
             dynamic = True
         except Exception as exc:  # noqa: BLE001 - retried at the example's shapes, reported if that fails too
             first = _first_line(exc)
             try:
-                ep = export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
+                ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
             except Exception as exc2:
                 raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
                                  node=type(model).__name__) from exc2
@@ -116,6 +117,43 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
 
     return Captured(gm, "export", {}, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
+
+
+class _NamedCall(nn.Module):
+    """``model`` seen through a forward with one named parameter per call value: a model whose own
+    forward takes only ``*args, **kwargs`` (PEFT's ``PeftModel``) gives ``torch.export`` no names to
+    attach dynamic shapes to. Shares the model's module tree, so the graph's parameter paths are the
+    model's own."""
+
+    def __init__(self, model: nn.Module, inputs: Inputs):
+        super().__init__()
+        self._modules = model._modules
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self.training = model.training
+        cls = type(model).__dict__.get("_ckptopt_base", type(model))  # (a model with a plan attached in place)
+
+        def forward(*args, **kwargs):
+            return cls.forward(model, *args, **kwargs)
+
+        P = inspect.Parameter
+        forward.__signature__ = inspect.Signature(
+            [P(f"arg{i}", P.POSITIONAL_ONLY) for i in range(len(inputs.args))]
+            + [P(k, P.KEYWORD_ONLY) for k in inputs.kwargs])
+        object.__setattr__(self, "forward", forward)
+
+
+def _named_call(model: nn.Module, inputs: Inputs) -> nn.Module:
+    """``model``, or a :class:`_NamedCall` of it when its forward does not name every keyword of the call."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return model
+    named = {k for k, p in params.items() if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                            inspect.Parameter.VAR_KEYWORD)}
+    if inputs.kwargs and not set(inputs.kwargs) <= named:  # (some go to **kwargs: HF's num_items_in_batch)
+        return _NamedCall(model, inputs)
+    return model
 
 
 def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
