@@ -24,6 +24,7 @@ Writes ``benchmarks/results/hf_models.json``. Run: ``python benchmarks/hf_models
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -87,8 +88,9 @@ def run_model(name: str, batch: int, seq: int, rounds: int, device: str) -> dict
     model, data = get_hf(name, batch, seq, CONFIGS[name])
     model.to(device)
     data = {k: v.to(device) for k, v in data.items()}
+    planned = copy.deepcopy(model)  # planned in place: the unmodified model and HF's checkpointing keep ``model``
     t0 = time.perf_counter()
-    opt = optimize_checkpoints(model, data)
+    opt = optimize_checkpoints(planned, data)
     plan_seconds = time.perf_counter() - t0
     rows = {"none": dict(measured_peak_bytes=measure_peak(model, data), recompute_share=0.0)}
     hf_checkpointing_enable(model)
@@ -97,7 +99,7 @@ def run_model(name: str, batch: int, seq: int, rounds: int, device: str) -> dict
     rows["ckptopt"] = dict(measured_peak_bytes=measure_peak(opt, data), predicted_peak_bytes=opt.predicted_peak_bytes,
                            recompute_share=_share(opt), plan=list(opt.plan.checkpoints), stored=list(opt.plan.stored),
                            solver=opt.plan.solver, plan_seconds=plan_seconds)
-    budget = optimize_checkpoints(model, data, budget=rows["hf"]["measured_peak_bytes"])
+    budget = optimize_checkpoints(copy.deepcopy(model), data, budget=rows["hf"]["measured_peak_bytes"])
     rows["ckptopt-budget"] = dict(measured_peak_bytes=measure_peak(budget, data),
                                   predicted_peak_bytes=budget.predicted_peak_bytes, recompute_share=_share(budget),
                                   plan=list(budget.plan.checkpoints), stored=list(budget.plan.stored),

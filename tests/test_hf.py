@@ -138,12 +138,14 @@ def test_eval_no_grad_and_other_calls_run_the_original_forward(planned):
 
 def test_generate_is_unchanged():
     model, batch = build("GPT2LMHeadModel")
+    reference = copy.deepcopy(model)
     opt = optimize_checkpoints(model, batch)
     opt.eval()
+    reference.eval()
     prompt = batch["input_ids"][:, :5]
     got = opt.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                        pad_token_id=0)
-    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+    want = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                           pad_token_id=0)
     assert torch.equal(got, want) and got.shape[1] == 9
 
@@ -153,14 +155,14 @@ def test_peak_is_predicted_and_below_transformers_checkpointing(name):
     """Measured within 1% of the prediction; at or below transformers' own checkpointing's peak."""
     model, batch = get_hf(name, 4, 128, {**TINY[name], "num_hidden_layers": 4, "n_layer": 4}
                           if name == "GPT2LMHeadModel" else {**TINY[name], "num_hidden_layers": 4})
+    theirs_model = copy.deepcopy(model)  # planned in place: HF's checkpointing runs on an unplanned copy
     opt = optimize_checkpoints(model, batch)
+    assert opt is model
     measured = measure_peak(opt, batch)
     assert abs(measured - opt.predicted_peak_bytes) <= 0.01 * opt.predicted_peak_bytes
-    hf_checkpointing_enable(model)
-    try:
-        theirs = measure_peak(model, batch)
-    finally:
-        hf_checkpointing_disable(model)
+    hf_checkpointing_enable(theirs_model)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in theirs_model.modules())
+    theirs = measure_peak(theirs_model, batch)
     assert measured <= theirs, (measured, theirs)
 
 
