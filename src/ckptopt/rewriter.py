@@ -352,7 +352,16 @@ class CheckpointedModule(nn.Module):
         """
         from .tracer.chain import trace_captured
 
-        tm = trace_captured(self.original, self.traced.capture, Inputs(args, kwargs), self.traced.loss_fn,
+        call = Inputs(args, kwargs)
+        if self.traced.capture.bind(call) is None and self._replan is not None:
+            # another call structure (a keyword Trainer adds): priced under the plan that call runs
+            variant = self._variant(call)
+            if variant is None:
+                raise ValueError(f"this call of {type(self.original).__name__} has another structure than the "
+                                 "planned one and planning it failed (see the warning): call optimize_checkpoints "
+                                 "with such a batch")
+            return variant.predicted_peak_for(*args, **kwargs)
+        tm = trace_captured(self.original, self.traced.capture, call, self.traced.loss_fn,
                             self.traced.max_crossing)
         if tm.n != self.traced.n:
             raise ValueError(f"at these shapes the model traces into {tm.n} layers, not {self.traced.n}: "

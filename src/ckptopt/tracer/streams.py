@@ -86,7 +86,10 @@ def layer_streams(groups: list[list[fx.Node]], static: set[fx.Node], values: dic
             if readers[n][0] >= b and max(readers[n]) == q:
                 candidates.append((n, q))
         if candidates:
-            best, q = max(candidates, key=lambda c: storage_nbytes(values[c[0]]))  # first of the largest
+            # a tensor layer b computes with comes before one only returned to the caller (the logits
+            # beside a loss scalar that a last layer divides), then the largest (the first of those)
+            best, q = max(candidates, key=lambda c: (any(group_of.get(u) == c[1] for u in c[0].users),
+                                                     storage_nbytes(values[c[0]])))
             for k in range(b, q + 1):
                 io[k - 1].main_out = io[k].main_in = best
             chain.add(best)
