@@ -22,6 +22,7 @@ import torch.nn as nn
 import ckptopt.tracer
 from ckptopt import (ChainCosts, InfeasibleBudget, InvalidCosts, ProblemTooLarge, TraceError, UnknownSolver,
                      optimize_checkpoints)
+from ckptopt import trace
 from ckptopt.cli import main as cli_main
 
 
@@ -142,10 +143,12 @@ def test_inputs_on_several_devices():
     model = TwoInputs()
     before = fingerprint_two = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"different devices \(cpu, meta\).*move them to one device"):
+        trace(model, (X, torch.randn(4, 8, device="meta")))
+    with pytest.raises(ValueError, match=r"optimize_checkpoints returns a module to train, but the model or its "
+                                         r"inputs are on the meta device.*ckptopt.estimate"):
         optimize_checkpoints(model, (X, torch.randn(4, 8, device="meta")))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and fingerprint_two
-    expect(ValueError, r"different devices.*move them to one device", small_model(),
-           torch.randn(4, 8, device="meta"))
+    expect(ValueError, r"on the meta device", small_model(), torch.randn(4, 8, device="meta"))
 
 
 def test_model_with_no_parameters():

@@ -99,11 +99,14 @@ def test_every_plan_measured_equals_simulated(name, crossing):
     model, inputs = CASES[name]()
     tm = trace(model, inputs, max_crossing=crossing)
     assert 4 <= tm.n <= (10 if crossing == 1 else 22), tm.n  # small enough for brute force
-    plans = [c for k in range(tm.n) for c in itertools.combinations(range(1, tm.n), k)]
-    if not LONG:
-        few = [c for c in plans if len(c) <= 2]
-        rest = [c for c in plans if len(c) > 2]
-        plans = few + random.Random(name).sample(rest, min(SAMPLE, len(rest)))
+    if LONG:
+        plans = [c for k in range(tm.n) for c in itertools.combinations(range(1, tm.n), k)]
+    else:  # every plan of up to two cuts, and a sample of the rest (drawn, not enumerated: 2^21 at 22 layers)
+        plans = [c for k in range(3) for c in itertools.combinations(range(1, tm.n), k)]
+        rng, cuts, rest = random.Random(name), range(1, tm.n), set()
+        while len(rest) < min(SAMPLE, 2 ** (tm.n - 1) - len(plans)):
+            rest.add(tuple(sorted(rng.sample(cuts, rng.randint(3, tm.n - 1)))))
+        plans += sorted(rest)
     solvers = ("dp", "dp2") + (("brute",) if tm.n <= BRUTE_MAX_N else ())
     for solver in solvers:
         plans.append(solve(tm.costs, solver).checkpoints)

@@ -254,3 +254,31 @@ def test_plan_training_bad_target():
         plan_training(model, x, 0, "1GiB")
     with pytest.raises(ValueError, match="not a memory size"):
         plan_training(model, x, 8, "lots")
+
+
+# --------------------------------------------------------------------------
+# planning for a GPU this machine does not have
+# --------------------------------------------------------------------------
+def test_planning_for_cuda_without_cuda_assumes_and_says_so(monkeypatch):
+    """device="cuda" where no CUDA is (or with the model elsewhere): CUDA's optimizer step, the
+    workspace measured on an H100 and the default allocator share, labelled as assumed; nothing is
+    calibrated on a device the model is not on; the free memory must then be given."""
+    from ckptopt import estimate, max_batch
+    from ckptopt.planning import CUDA_DEFAULT_FRACTION, CUDA_DEFAULT_WORKSPACE
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 32)
+    on_cpu = estimate(model, x, optimizer="adam", device="cpu")
+    on_cuda = estimate(model, x, optimizer="adam", device="cuda")
+    assert not on_cuda.calibrated and on_cuda.optimizer.impl == "foreach" and on_cpu.optimizer.impl == "for-loop"
+    hr = on_cuda.headroom
+    assert (hr.workspace_bytes, hr.fraction) == (CUDA_DEFAULT_WORKSPACE, CUDA_DEFAULT_FRACTION)
+    assert "assumed, not measured" in hr.source
+    assert on_cuda.optimal.forward_backward_bytes == on_cpu.optimal.forward_backward_bytes
+    mb = max_batch(model, x, memory="1GB", device="cuda")
+    assert mb.headroom.source == hr.source and mb.optimal.batch > 0
+    with pytest.raises(ValueError, match="no CUDA device here .* --memory 80GB"):
+        max_batch(model, x, device="cuda")
+    with pytest.raises(ValueError, match="calibrate=True runs each layer on cuda, but the model is on cpu"):
+        estimate(model, x, device="cuda", calibrate=True)

@@ -13,14 +13,16 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 def load_model(spec: str, batch_size: int | None = None, input_size: int | None = None,
-               dtype: str = "fp32", config: dict | None = None, **kwargs: Any) -> tuple[torch.nn.Module, Any]:
+               dtype: str = "fp32", config: dict | None = None, meta: bool = False,
+               **kwargs: Any) -> tuple[torch.nn.Module, Any]:
     """Build ``(model, example_inputs)`` from a zoo name, ``hf:<transformers class>`` or a
     ``module:factory`` spec.
 
     A factory is called with the keyword arguments it accepts among
     ``batch_size``, ``input_size`` and ``dtype`` and must return
     ``(model, example_inputs)``. For ``hf:`` models ``input_size`` is the sequence
-    length and ``config`` overrides the config class's defaults.
+    length and ``config`` overrides the config class's defaults. ``meta``: zoo and ``hf:`` models
+    are built on the meta device (no memory; for planning only), a factory as it builds them.
     """
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
@@ -28,7 +30,7 @@ def load_model(spec: str, batch_size: int | None = None, input_size: int | None 
     if spec.startswith("hf:"):
         from .zoo.hf import get_hf
 
-        return get_hf(spec, batch_size, input_size, config, dt)
+        return get_hf(spec, batch_size, input_size, config, dt, device="meta" if meta else "cpu")
     if config:
         raise ValueError("--config applies to hf: models only")
     if ":" in spec and not spec.startswith("torchvision:"):
@@ -60,4 +62,4 @@ def load_model(spec: str, batch_size: int | None = None, input_size: int | None 
         kw["batch_size"] = batch_size
     if input_size is not None:
         kw["input_size"] = input_size
-    return zoo.get(spec, dtype=dt, **kw)
+    return zoo.get(spec, dtype=dt, device="meta" if meta else "cpu", **kw)

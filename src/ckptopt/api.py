@@ -109,7 +109,9 @@ def optimize_checkpoints(
     from .inplace import attach, attached, detach, inspected_by_type
 
     from .inplace import planning_now
+    from .tracer.meta import refuse_meta
 
+    refuse_meta(model, normalize_inputs(example_inputs), "optimize_checkpoints")
     if attached(model) is not None and not planning_now(model):  # planned before: plan again from its own forward
         detach(model)
     state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})

@@ -103,27 +103,36 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="submodule to trace as one opaque layer (repeatable)")
 
 
-def _load(args):
+def _load(args, meta: bool = False):
+    """The model and its example batch. ``meta``: a zoo or ``hf:`` model is built on the meta device
+    (no weights in memory, in the requested dtype from the start): for commands that run no real
+    step. ``--calibrate`` with ``--device cuda`` builds it on that device instead (layers run there)."""
     from ._models import load_model
+    from .torch_utils import normalize_inputs
     from .zoo.hf import parse_overrides
 
+    on_device = bool(getattr(args, "calibrate", None)) and str(getattr(args, "device", "cpu")).startswith("cuda")
     model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype,
-                               config=parse_overrides(args.config))
+                               config=parse_overrides(args.config), meta=meta and not on_device)
     model.train()
+    if on_device:
+        model.to(args.device)
+        moved = normalize_inputs(inputs).map_tensors(lambda t: t.to(args.device))
+        inputs = moved.kwargs if isinstance(inputs, dict) else moved.args
     return model, inputs
 
 
-def _load_and_trace(args):
+def _load_and_trace(args, meta: bool = False):
     from .tracer import trace
 
-    model, inputs = _load(args)
+    model, inputs = _load(args, meta)
     return model, inputs, trace(model, inputs, leaf_modules=args.leaf, capture=args.capture)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from .simulator import simulate
 
-    model, inputs, tm = _load_and_trace(args)
+    model, inputs, tm = _load_and_trace(args, meta=True)
     costs = tm.costs
     sim = simulate(costs, ())
     peak = sim.peak_bytes
@@ -212,7 +221,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .rewriter import apply_plan
     from .simulator import recomputed_layers, simulate
 
-    model, inputs, tm = _load_and_trace(args)
+    model, inputs, tm = _load_and_trace(args, meta=not args.measure)
     if args.calibrate:
         import dataclasses
 
@@ -317,7 +326,8 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
                    help="share of the peak kept free for the caching allocator (default: none on cpu, "
                         "0.10 on cuda)")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each layer once on the device (workspaces, scratch, measured times); default on cuda")
+                   help="run each layer once on the device (workspaces, scratch, measured times): the model is "
+                        "then built on --device. Default off: the model is built on the meta device (no memory)")
 
 
 def _headroom(args):
@@ -356,7 +366,7 @@ def _where(pe) -> str:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .planning import estimate
 
-    model, inputs = _load(args)
+    model, inputs = _load(args, meta=True)
     est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf,
                    capture=args.capture, calibrate=args.calibrate, headroom=_headroom(args))
     if args.json:
@@ -406,7 +416,7 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     memory = parse_bytes(args.memory) if args.memory else None
     if args.target_batch is not None and args.target_batch < 1:
         raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
-    model, inputs = _load(args)
+    model, inputs = _load(args, meta=True)
     kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
               headroom=_headroom(args))
     mb = max_batch(model, inputs, memory, calibrate=args.calibrate, **kw)
@@ -499,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SIZE",
                    help="peak-memory budget, e.g. 8GiB, or 'device': what the device has free, less the headroom")
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
-                   help="run each layer once on the device (workspaces, scratch, measured times); default on cuda")
+                   help="run each layer once on the device (workspaces, scratch, measured times): the model is "
+                        "then built on --device. Default off: the model is built on the meta device (no memory)")
     p.add_argument("--measure", action="store_true",
                    help="also run one real training step with and without the plan and measure the peak")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -493,6 +493,9 @@ def apply_plan(model: nn.Module, traced: TracedModel, plan: Plan) -> Checkpointe
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"apply_plan needs a Plan (from ckptopt.solve), got {type(plan).__name__}")
+    from .tracer.meta import refuse_meta
+
+    refuse_meta(model, Inputs(()), "apply_plan")
     if plan.n != traced.n:
         raise ValueError(
             f"the plan was made for {plan.n} layers but the traced model has {traced.n}; "

@@ -52,11 +52,21 @@ def storage_nbytes(t: torch.Tensor) -> int:
         return int(t.numel() * t.element_size())
 
 
+def storage_identity(t: torch.Tensor) -> int:
+    """A key of the tensor's storage: its address for real memory; for meta storages (which all
+    have address 0) the storage itself; for fake ones the storage object."""
+    if is_fake(t):
+        return id(t.untyped_storage())
+    if t.is_meta:
+        return -1 - t.untyped_storage()._cdata
+    return t.untyped_storage().data_ptr()
+
+
 def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """One tensor per storage (fake storages by identity, real ones by address)."""
     seen, out = set(), []
     for t in tensors:
-        key = id(t.untyped_storage()) if is_fake(t) else t.untyped_storage().data_ptr()
+        key = storage_identity(t)
         if key not in seen:
             seen.add(key)
             out.append(t)

@@ -75,7 +75,8 @@ from __future__ import annotations
 from .accumulation import AccumulationOption, TrainingPlan, plan_training
 from .batch import BatchCosts, BatchFit, MaxBatch, largest_fitting, max_batch, with_batch
 from .estimate import Breakdown, Estimate, PeakEstimate, estimate, peak_estimate
-from .headroom import Headroom, default_headroom, device_budget, device_free_memory, measure_allocator_overhead
+from .headroom import (CUDA_DEFAULT_FRACTION, CUDA_DEFAULT_WORKSPACE, Headroom, default_headroom, device_budget,
+                       device_free_memory, measure_allocator_overhead)
 from .optimizer import OPTIMIZERS, OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 
 __all__ = [
@@ -102,4 +103,6 @@ __all__ = [
     "device_free_memory",
     "device_budget",
     "measure_allocator_overhead",
+    "CUDA_DEFAULT_FRACTION",
+    "CUDA_DEFAULT_WORKSPACE",
 ]

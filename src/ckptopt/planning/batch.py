@@ -8,12 +8,13 @@ from typing import Any, Callable
 from ..costs import ChainCosts
 from ..plan import Plan
 from ..solvers import solve
-from ..torch_utils import Inputs, normalize_inputs
+from ..torch_utils import Inputs, is_fake, normalize_inputs
 from ..tracer import trace
 from ..tracer.chain import trace_captured
+from ..tracer.meta import unmaterialized
 from ..units import parse_bytes
 from .estimate import batch_of, optimal_plan, plan_recompute_share, trainable_sizes
-from .headroom import Headroom, default_headroom, device_free_memory
+from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
@@ -36,6 +37,8 @@ def with_batch(example_inputs: Any, batch: int, example_batch: int) -> Any:
     def resize(t: torch.Tensor) -> torch.Tensor:
         if t.dim() >= 1 and t.shape[0] == example_batch:
             idx = torch.arange(batch, device=t.device) % example_batch
+            if is_fake(t):  # (a meta model's batch, tracer/meta.py): the index joins its fake mode
+                idx = t.fake_mode.from_tensor(idx)
             return t.detach()[idx].requires_grad_(t.requires_grad)
         return t
 
@@ -145,8 +148,8 @@ class BatchCosts:
     """
 
     def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16), capture="auto"):
-        self.model = model
-        self.inputs = normalize_inputs(example_inputs)
+        # a meta model is planned on fakes of its tensors on a real device (tracer/meta.py)
+        self.model, self.inputs = unmaterialized(model, normalize_inputs(example_inputs))
         self.example_batch = batch_of(self.inputs)
         if self.example_batch is None:
             raise ValueError("the example inputs have no batch dimension (no tensor with a first dimension)")
@@ -393,8 +396,10 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     """
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
     opt = optimizer_for(bc, optimizer, impl, device)
-    dev = device or str(next(bc.model.parameters()).device)
-    calibrated = calibrate if calibrate is not None else dev.startswith("cuda")
+    model_dev = str(next(bc.model.parameters()).device)
+    dev = device or model_dev
+    calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
+    check_calibrate(calibrated, dev, model_dev)
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
     none = search_batch(bc, "none", usable, opt)
     best = search_batch(bc, "optimal", usable, opt)

@@ -10,11 +10,14 @@ from ..costs import ChainCosts
 from ..plan import segment_bounds
 from ..simulator import SimResult, simulate
 from ..solvers import solve
+from ..solvers.limits import TIE_BREAK_MAX_WORK
+from ..solvers.pareto import FrontTooLarge, least_recompute
 from ..errors import InfeasibleBudget
 from ..plan import Plan
-from ..torch_utils import Inputs, normalize_inputs
+from ..torch_utils import Inputs, normalize_inputs, storage_identity
 from ..tracer import trace
-from .headroom import Headroom, default_headroom
+from ..tracer.meta import planned_on
+from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory, step_peak
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
@@ -179,10 +182,25 @@ def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
     none = solve(costs, "none")
     if none.peak_bytes <= budget:
         return none
+    if costs.side:
+        # the side-tensor Pareto program is bounded here (a large LM's took 104 s unbounded): beyond
+        # the bound, None, and the caller keeps the lowest-peak plan (same step peak, maybe more recomputation)
+        try:
+            found = least_recompute(costs, budget, True, max_work=LEAST_RECOMPUTE_MAX_WORK)
+        except FrontTooLarge:
+            return None
+        if found is None:
+            return None
+        return Plan(found[0], simulate(costs, found[0], found[1]).peak_bytes, "budget", 0.0, costs.n, found[1])
     try:
         return solve(costs, "auto", budget=budget)
     except InfeasibleBudget:
         return None
+
+
+#: Work bound of :func:`least_recompute_plan`'s Pareto pass on a model with side tensors (segment
+#: steps, as ``TIE_BREAK_MAX_WORK``): about a second or two.
+LEAST_RECOMPUTE_MAX_WORK = 10 * TIE_BREAK_MAX_WORK
 
 
 @dataclass(frozen=True)
@@ -216,7 +234,7 @@ def trainable_sizes(model) -> list[int]:
     """Bytes of each distinct trainable parameter, in ``model.parameters()`` order."""
     seen, out = set(), []
     for p in model.parameters():
-        key = p.untyped_storage().data_ptr()
+        key = storage_identity(p)  # (a meta model's parameters all have address 0)
         if p.requires_grad and key not in seen:
             seen.add(key)
             out.append(p.untyped_storage().nbytes())
@@ -270,8 +288,10 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     inputs = normalize_inputs(example_inputs)
     tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
     sizes = trainable_sizes(model)
-    dev = device or str(next(model.parameters()).device)
-    calibrated = calibrate if calibrate is not None else dev.startswith("cuda")
+    model_dev = planned_on(model)
+    dev = device or model_dev
+    calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
+    check_calibrate(calibrated, dev, model_dev)
     if calibrated:
         from ..calibration import calibrate as run_calibration
 

@@ -22,13 +22,39 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-__all__ = ["Headroom", "CUDA_DEFAULT_FRACTION", "default_headroom", "device_free_memory", "device_budget",
-           "measure_cuda_workspace", "measure_allocator_overhead"]
+__all__ = ["Headroom", "CUDA_DEFAULT_FRACTION", "CUDA_DEFAULT_WORKSPACE", "default_headroom", "default_calibrate",
+           "device_free_memory", "device_budget", "measure_cuda_workspace", "measure_allocator_overhead"]
 
 #: The allocator overhead assumed on CUDA when none was measured: above the largest
 #: reserved/allocated excess seen on an H100 with the default allocator (GPT, batch 7:
 #: 8.16 GB reserved for 7.67 GB allocated, +6.4%; GPU_MEASUREMENTS.md §2).
 CUDA_DEFAULT_FRACTION = 0.10
+
+#: The library workspace assumed on CUDA when it cannot be measured (planning for a GPU this
+#: machine does not have): the fixed per-process workspace seen on an H100 once the first matrix
+#: product ran, 65-70 MB on every model with a Linear layer (GPU_MEASUREMENTS.md §1); the upper end.
+CUDA_DEFAULT_WORKSPACE = 70_000_000
+
+
+def cuda_here() -> bool:
+    """Whether this process can run on CUDA (a CUDA build and a device)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def default_calibrate(device: str, model_device: str) -> bool:
+    """Calibrate by default when the step runs on CUDA and the model is there to run layers on:
+    a model elsewhere (a CPU or meta model planned for a GPU) is planned from its tensors alone."""
+    return str(device).startswith("cuda") and str(model_device).startswith("cuda") and cuda_here()
+
+
+def check_calibrate(calibrate: bool, device: str, model_device: str) -> None:
+    """``calibrate=True`` runs each layer on ``device``: the model must be there."""
+    if calibrate and str(device).split(":")[0] != str(model_device).split(":")[0]:
+        raise ValueError(f"calibrate=True runs each layer on {device}, but the model is on {model_device}: "
+                         f"move it there first (model.to({str(device)!r})), or plan without calibration "
+                         "(calibrate=False, --no-calibrate)")
 
 
 @dataclass(frozen=True)
@@ -81,6 +107,10 @@ def default_headroom(device: str, calibrated: bool = False) -> Headroom:
     overhead :data:`CUDA_DEFAULT_FRACTION`."""
     if not str(device).startswith("cuda"):
         return Headroom(0, 0.0, f"none: no caching allocator on {device}")
+    if not calibrated and not cuda_here():
+        return Headroom(CUDA_DEFAULT_WORKSPACE, CUDA_DEFAULT_FRACTION,
+                        "assumed, not measured: no CUDA device here; library workspace as measured on an H100 "
+                        f"(65-70 MB), allocator overhead {CUDA_DEFAULT_FRACTION:.0%} by default")
     workspace = 0 if calibrated else measure_cuda_workspace(device)
     return Headroom(workspace, CUDA_DEFAULT_FRACTION,
                     f"workspace measured on {device}; allocator overhead {CUDA_DEFAULT_FRACTION:.0%} by default "
@@ -127,6 +157,9 @@ def device_free_memory(device: str) -> int:
     if str(device).startswith("cuda"):
         import torch
 
+        if not cuda_here():
+            raise ValueError(f"there is no CUDA device here to ask how much memory {device} has free: give the "
+                             "GPU's memory (memory='80GB', --memory 80GB)")
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
     if os.path.exists("/proc/meminfo"):
         with open("/proc/meminfo") as fh:

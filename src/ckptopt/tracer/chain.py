@@ -32,7 +32,8 @@ from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, n
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
-from .cuts import MAX_CROSSING, candidate_groups
+from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
+from .meta import unmaterialized
 from .streams import layer_streams, merge_aliased, merge_outputless
 from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
@@ -124,7 +125,9 @@ def check_model_and_inputs(model, example_inputs) -> Inputs:
             f"{type(model).__name__} has no parameters that require grad, so a training step has no "
             "backward pass to plan; unfreeze some parameters (p.requires_grad_(True)) first"
         )
-    devices = {t.device for t in inputs.tensors() + params}
+    # (the meta device holds nothing: a meta model is planned on its batch's device, tracer/meta.py)
+    meta_model = bool(params) and all(p.is_meta for p in params)
+    devices = {t.device for t in inputs.tensors() + params if not (meta_model and t.is_meta)}
     if len(devices) > 1:
         raise ValueError(
             f"the model and its example inputs are on different devices ({', '.join(sorted(map(str, devices)))}); "
@@ -139,7 +142,7 @@ def trace(
     loss_fn: Callable | None = None,
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
-    max_crossing: int = MAX_CROSSING,
+    max_crossing: int | None = None,
 ) -> TracedModel:
     """Trace ``model`` into a chain cost model without allocating activations.
 
@@ -165,11 +168,13 @@ def trace(
         ``"fx"`` (``torch.fx`` symbolic tracing), ``"export"`` (``torch.export``,
         non-strict) or ``"auto"``: FX, and export when FX cannot trace the model
         (:mod:`ckptopt.tracer.capture`).
-    max_crossing : int, default 8
+    max_crossing : int, optional
         A cut is offered where at most this many tensors computed before it are read
         after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
         side tensors (an encoder output read by every decoder layer, a skip connection,
-        a second tower's input). 1 gives the single-tensor chain.
+        a second tower's input). 1 gives the single-tensor chain. Default: 8, or 1 for a
+        model that would have more than 300 layers with several-tensor cuts (the exact
+        side-tensor program would take minutes there; ``capture.notes`` says so).
 
     Returns
     -------
@@ -195,15 +200,17 @@ def trace(
     cache is dropped earlier and the prediction errs high by at most that amount).
     """
     check_capture_mode(capture)
-    if isinstance(max_crossing, bool) or not isinstance(max_crossing, int) or max_crossing < 1:
+    if max_crossing is not None and (isinstance(max_crossing, bool) or not isinstance(max_crossing, int)
+                                     or max_crossing < 1):
         raise ValueError(f"max_crossing must be an integer >= 1 (1: single-tensor cuts only), got {max_crossing!r}")
     inputs = check_model_and_inputs(model, example_inputs)
+    model, inputs = unmaterialized(model, inputs)  # meta tensors: fakes on a real device
     captured = capture_graph(model, inputs, capture, leaf_modules)
     return trace_captured(model, captured, inputs, loss_fn, max_crossing)
 
 
 def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
-                   loss_fn: Callable | None = None, max_crossing: int = MAX_CROSSING) -> TracedModel:
+                   loss_fn: Callable | None = None, max_crossing: int | None = None) -> TracedModel:
     """The cost model of an already captured graph at these inputs' shapes (no new capture):
     what :func:`trace` runs after its capture stage, and what re-prices a plan at other shapes."""
     inputs = normalize_inputs(example_inputs)
@@ -235,15 +242,32 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
                                                            if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
     static |= param_views(fake_gm, values)  # (a weight's transpose: the parameter's storage, placed like a static)
-    groups = candidate_groups(fake_gm, values, static, max_crossing)
-    hoisted: list[fx.Node] = []
-    if derived or any(n.op != "placeholder" for n in static):
-        groups, hoisted = place_statics(groups, static, values)
-    groups = [g for g in groups if g]  # (empty: made only of hoisted or moved nodes)
     out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
-    # op-level graphs: assertions and same-dtype casts between blocks are no layers
-    groups = merge_aliased(groups, static, values, out_node, always=derived)
-    groups = merge_outputless(groups, static, values, out_node)
+
+    def layer_groups(crossing: int):
+        groups = candidate_groups(fake_gm, values, static, crossing)
+        hoisted: list[fx.Node] = []
+        if derived or any(n.op != "placeholder" for n in static):
+            groups, hoisted = place_statics(groups, static, values)
+        groups = [g for g in groups if g]  # (empty: made only of hoisted or moved nodes)
+        # op-level graphs: assertions and same-dtype casts between blocks are no layers
+        groups = merge_aliased(groups, static, values, out_node, always=derived)
+        groups = merge_outputless(groups, static, values, out_node)
+        return groups, hoisted
+
+    auto = max_crossing is None
+    max_crossing = MAX_CROSSING if auto else max_crossing
+    groups, hoisted = layer_groups(max_crossing)
+    if auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:
+        # too many layers for the side-tensor program to solve in seconds: single-tensor cuts
+        many = len(groups)
+        max_crossing = 1
+        groups, hoisted = layer_groups(1)
+        note = (f"single-tensor cuts: with several tensors crossing the model has {many} layers, more than "
+                f"the {SIDE_AUTO_MAX_N} the exact side-tensor program solves in seconds (trace(max_crossing=8) "
+                "forces them)")
+        if note not in captured.notes:
+            captured.notes.append(note)
     readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
     streams = layer_streams(groups, static, values, out_node)
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 from ..errors import TraceError
 from ..torch_utils import tensor_leaves
 
-__all__ = ["MAX_CROSSING", "OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
+__all__ = ["MAX_CROSSING", "SIDE_AUTO_MAX_N", "OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
 
 #: The node kinds that run something (the others are inputs, attributes and the output).
 OPS = ("call_module", "call_function", "call_method")
@@ -79,6 +79,12 @@ def _mutated(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
 #: programs keep at most 2**7 states per boundary. DenseNet-121 (batch 2, 64x64): optimal peak
 #: 70.9 MB at 1, 68.3 MB at 4, 66.3 MB at 8 (measured, exact to the byte).
 MAX_CROSSING = 8
+
+#: Above this many layers with several-tensor cuts, ``trace``'s default plans on single-tensor cuts:
+#: the exact side-tensor program is O(n^3 2^k) in the worst case (a model whose peak sits in its
+#: loss, as a large-vocabulary LM's does, prunes nothing: 290 layers of an 8B-wide Llama took 16 s,
+#: its Pareto pass 104 s), while a single-tensor chain of the same model is an O(n^2) solve.
+SIDE_AUTO_MAX_N = 300
 
 
 def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = frozenset(),

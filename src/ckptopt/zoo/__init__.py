@@ -33,6 +33,8 @@ All zoo models are traceable by :func:`torch.fx.symbolic_trace`.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -126,6 +128,22 @@ PUBLISHED_PARAM_COUNTS: Dict[str, int] = {
 _TV_PREFIX = "torchvision:"
 
 
+class _MetaGenerator:
+    """Stands for a ``torch.Generator`` when the inputs are made on the meta device."""
+
+
+def _meta_aware(fn):
+    """``torch.randn``/``randint`` that make meta tensors when given a :class:`_MetaGenerator`."""
+    def call(*args, generator=None, **kw):
+        if isinstance(generator, _MetaGenerator):
+            return fn(*args, device="meta", **kw)
+        return fn(*args, generator=generator, **kw)
+    return call
+
+
+_randn, _randint = _meta_aware(torch.randn), _meta_aware(torch.randint)
+
+
 def names() -> List[str]:
     """The zoo's model names, in a fixed order."""
     return list(_REGISTRY)
@@ -153,7 +171,8 @@ def get(
 
     Returns ``(model, example_inputs)``; ``model(*example_inputs)`` runs.
     The model is in training mode, cast to ``dtype`` (floating parameters and
-    buffers) and moved to ``device``. Raises :class:`ValueError` for an
+    buffers) and moved to ``device``. ``device="meta"`` builds it without memory (and its
+    inputs on the meta device): what planning needs, at any size. Raises :class:`ValueError` for an
     unknown name (the message lists the valid ones) or bad sizes, and
     :class:`ImportError` for a ``"torchvision:..."`` name when torchvision
     does not import.
@@ -196,23 +215,27 @@ def get(
         model_kwargs["in_features"] = input_size
 
     torch.manual_seed(seed)
-    model = entry.build(**model_kwargs)
-    model = model.to(device=device, dtype=dtype)
+    meta = str(device) == "meta"
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = entry.build(**model_kwargs)
+    model = model.to(dtype=dtype) if meta else model.to(device=device, dtype=dtype)
+    if meta:  # inputs of the same shapes and dtypes, without memory (random numbers need none)
+        gen = _MetaGenerator()
 
     if kind == _IMAGE:
         s = default_s if input_size is None else input_size
         c = model.in_channels if isinstance(model, UNet) else 3
-        x = torch.randn(b, c, s, s, generator=gen)
+        x = _randn(b, c, s, s, generator=gen)
         inputs: Tuple[torch.Tensor, ...] = (x.to(device=device, dtype=dtype),)
     elif kind == _TOKENS:
         assert isinstance(model, GPT)
         s = min(128, model.seq_len) if input_size is None else input_size
         if s > model.seq_len:
             raise ValueError(f"gpt: input_size={s} exceeds seq_len={model.seq_len}")
-        idx = torch.randint(0, model.vocab, (b, s), generator=gen, dtype=torch.long)
-        inputs = (idx.to(device=device),)
+        idx = _randint(0, model.vocab, (b, s), generator=gen, dtype=torch.long)
+        inputs = (idx.to(device=device),)  # (meta: already there)
     else:
         assert isinstance(model, MLPChain)
-        x = torch.randn(b, model.in_features, generator=gen)
+        x = _randn(b, model.in_features, generator=gen)
         inputs = (x.to(device=device, dtype=dtype),)
     return model, inputs
