@@ -10,7 +10,9 @@ loss, ``default_data_collator``):
 * ``hf-1``, ``hf-2``: ``activation_checkpointing_enable(every_n_layers=1 | 2)``, non-reentrant
   (for PEFT models, on the wrapped transformers model, as PEFT's docs do);
 * ``ckptopt``: ``optimize_checkpoints(model, batch)``: the model itself with the plan
-  attached, handed to ``Trainer`` as it is.
+  attached, handed to ``Trainer`` as it is;
+* ``ckptopt-at-hf``: ``optimize_checkpoints(model, batch, budget=<hf-1's forward + backward peak>)``
+  (``measure_peak`` of the same call with HF's checkpointing): the least recomputation at HF's peak.
 
 Each run takes ``1 + 1 + 1 + --timed`` steps: a warm-up (AdamW's state is allocated; ckptopt
 plans Trainer's call, which adds ``num_items_in_batch``), one step under the exact storage
@@ -56,11 +58,11 @@ ARCHS = {
              ["c_attn"]),
     "t5": ("T5ForConditionalGeneration", "T5Config",
            dict(num_layers=3, num_decoder_layers=3, d_model=256, d_ff=704, num_heads=4, d_kv=64,
-                vocab_size=2048),
+                vocab_size=2048, decoder_start_token_id=0, pad_token_id=0),
            ["q", "v"]),
 }
 MODES = ("full", "lora-attention", "lora-all-linear")
-VARIANTS = ("none", "hf-1", "hf-2", "ckptopt")
+VARIANTS = ("none", "hf-1", "hf-2", "ckptopt", "ckptopt-at-hf")
 
 
 def build(arch: str, mode: str, seed: int = 0):
@@ -106,9 +108,16 @@ def run(arch: str, mode: str, variant: str, batch: int, seq: int, timed: int) ->
     if variant.startswith("hf-"):
         hf_model(model).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
                                                         every_n_layers=int(variant[3:]))
-    elif variant == "ckptopt":
+    elif variant.startswith("ckptopt"):
+        budget = None
+        if variant == "ckptopt-at-hf":
+            hf = build(arch, mode)
+            hf_model(hf).activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            call = dict(example, num_items_in_batch=(example["labels"][:, 1:] != -100).sum())  # Trainer's call
+            budget = row["budget_bytes"] = int(measure_peak(hf, call))
+            del hf
         t = time.perf_counter()
-        model = optimize_checkpoints(model, example)
+        model = optimize_checkpoints(model, example, budget=budget)
         row.update(plan_seconds=time.perf_counter() - t, predicted_fwd_bwd_bytes=int(model.predicted_peak_bytes),
                    recompute_share_predicted=simulate(model.traced.costs, model.plan.checkpoints,
                                                       model.plan.stored).recompute_share,
@@ -153,7 +162,7 @@ def run(arch: str, mode: str, variant: str, batch: int, seq: int, timed: int) ->
                           callbacks=[probe])
         trainer.train()
     row["step_seconds"] = statistics.median(probe.times)
-    if variant == "ckptopt":
+    if variant.startswith("ckptopt"):
         model.zero_grad(set_to_none=True)
         row["measured_fwd_bwd_bytes"] = int(measure_peak(model, example))
         row["prediction_error"] = row["measured_fwd_bwd_bytes"] / row["predicted_fwd_bwd_bytes"] - 1
@@ -169,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timed", type=int, default=3, help="timed steps per run (median)")
     ap.add_argument("--quick", action="store_true", help="Llama only")
     ap.add_argument("--out", default=os.path.join(OUT, "finetune_stack.json"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of --out for the architectures not run now (each row keeps its command)")
     args = ap.parse_args(argv)
     archs = ["llama"] if args.quick else args.archs
     rows = []
@@ -195,9 +206,17 @@ def main(argv=None) -> int:
                 print(json.dumps({k: row.get(k) for k in ("arch", "mode", "variant", "step_peak_bytes",
                                                           "peak_vs_hf-1", "recompute_share", "step_time_vs_none",
                                                           "prediction_error", "error")}), flush=True)
+    meta = run_metadata("finetune_stack")
+    for row in rows:
+        row["command"] = meta["command"]
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = [r for r in json.load(f)["rows"] if (r["arch"], r["mode"]) not in {(a, m) for a in archs
+                                                                                     for m in args.modes}]
+        rows = kept + rows
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(meta=run_metadata("finetune_stack"), batch=args.batch, seq=args.seq, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, batch=args.batch, seq=args.seq, rows=rows), f, indent=1)
     print(f"wrote {args.out}")
     return 0
 

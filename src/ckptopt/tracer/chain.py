@@ -173,7 +173,7 @@ def trace(
         after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
         side tensors (an encoder output read by every decoder layer, a skip connection,
         a second tower's input). 1 gives the single-tensor chain. Default: 8, or 1 for a
-        model that would have more than 300 layers with several-tensor cuts (the exact
+        model that would have more than 600 layers with several-tensor cuts (the exact
         side-tensor program would take minutes there; ``capture.notes`` says so).
 
     Returns

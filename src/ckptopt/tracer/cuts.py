@@ -82,9 +82,11 @@ MAX_CROSSING = 8
 
 #: Above this many layers with several-tensor cuts, ``trace``'s default plans on single-tensor cuts:
 #: the exact side-tensor program is O(n^3 2^k) in the worst case (a model whose peak sits in its
-#: loss, as a large-vocabulary LM's does, prunes nothing: 290 layers of an 8B-wide Llama took 16 s,
-#: its Pareto pass 104 s), while a single-tensor chain of the same model is an O(n^2) solve.
-SIDE_AUTO_MAX_N = 300
+#: loss, as a large-vocabulary LM's does, prunes nothing: 290 layers of an 8B-wide Llama took 16 s),
+#: while a single-tensor chain of the same model is an O(n^2) solve. At 300 this cut the 6-layer T5
+#: with LoRA on every linear layer (about 400 layers) to 6 single-tensor layers, and its peak to 1.8x
+#: HF's checkpointing (benchmarks/finetune_stack.py).
+SIDE_AUTO_MAX_N = 600
 
 
 def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = frozenset(),
