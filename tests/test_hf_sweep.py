@@ -55,3 +55,15 @@ def test_summary_groups_records():
     assert s["models"] == 4 and s["built"] == 3 and s["by_status"] == {"ok": 1, "fail": 2, "harness": 1}
     assert s["causes"]["optimize: X: y"] == dict(status="fail", count=2, examples=["B", "C"])
     assert s["ok_peak_ratio_vs_hf"]["median"] == 0.9 and s["ok_exact_predictions"] == 1
+
+
+def test_a_dead_static_chain_across_layers_traces():
+    """JambaForCausalLM computes a mask from attention_mask that no layer reads (dead code): its first
+    op was left in a layer of its own and the next, placed in a later layer, was not passed its value
+    ("internal: node to is used by a layer but not passed to it"). Dead static ops with no placed
+    static input now run before the first layer."""
+    from ckptopt import trace
+
+    model, batch, _ = hf_sweep.build("JambaForCausalLM", "causal", None)
+    tm = trace(model, batch)
+    assert tm.n > 2 and tm.costs.n == tm.n

@@ -172,9 +172,9 @@ def trace(
         A cut is offered where at most this many tensors computed before it are read
         after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
         side tensors (an encoder output read by every decoder layer, a skip connection,
-        a second tower's input). 1 gives the single-tensor chain. Default: 8, or 1 for a
-        model that would have more than 600 layers with several-tensor cuts (the exact
-        side-tensor program would take minutes there; ``capture.notes`` says so).
+        a second tower's input). 1 gives the single-tensor chain. Default: 8, halved (4, 2,
+        1) while the model would have more than 300 layers (the exact side-tensor program
+        can take minutes there; ``capture.notes`` says so).
 
     Returns
     -------
@@ -258,14 +258,17 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     auto = max_crossing is None
     max_crossing = MAX_CROSSING if auto else max_crossing
     groups, hoisted = layer_groups(max_crossing)
-    if auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:
-        # too many layers for the side-tensor program to solve in seconds: single-tensor cuts
-        many = len(groups)
-        max_crossing = 1
-        groups, hoisted = layer_groups(1)
-        note = (f"single-tensor cuts: with several tensors crossing the model has {many} layers, more than "
-                f"the {SIDE_AUTO_MAX_N} the exact side-tensor program solves in seconds (trace(max_crossing=8) "
-                "forces them)")
+    many = len(groups)
+    while auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:
+        # too many layers for the side-tensor program to solve in seconds: fewer tensors per cut
+        # (8 -> 4 -> 2 -> 1; a T5 with LoRA on every linear layer: 416 layers at 8, 258 at 4 with the
+        # same optimal peak, 39 at 2 with a 1.8x higher one)
+        max_crossing //= 2
+        groups, hoisted = layer_groups(max_crossing)
+    if max_crossing < MAX_CROSSING and auto:
+        note = (f"cuts crossed by at most {max_crossing} tensor{'s' if max_crossing > 1 else ''}: with up to "
+                f"{MAX_CROSSING} the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the exact side-tensor "
+                f"program solves in seconds (trace(max_crossing={MAX_CROSSING}) forces them)")
         if note not in captured.notes:
             captured.notes.append(note)
     readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}

@@ -80,13 +80,13 @@ def _mutated(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
 #: 70.9 MB at 1, 68.3 MB at 4, 66.3 MB at 8 (measured, exact to the byte).
 MAX_CROSSING = 8
 
-#: Above this many layers with several-tensor cuts, ``trace``'s default plans on single-tensor cuts:
-#: the exact side-tensor program is O(n^3 2^k) in the worst case (a model whose peak sits in its
-#: loss, as a large-vocabulary LM's does, prunes nothing: 290 layers of an 8B-wide Llama took 16 s),
-#: while a single-tensor chain of the same model is an O(n^2) solve. At 300 this cut the 6-layer T5
-#: with LoRA on every linear layer (about 400 layers) to 6 single-tensor layers, and its peak to 1.8x
-#: HF's checkpointing (benchmarks/finetune_stack.py).
-SIDE_AUTO_MAX_N = 600
+#: Above this many layers, ``trace``'s default halves the tensors that may cross a cut (8, 4, 2, 1)
+#: until the model has at most this many: the exact side-tensor program is O(n^3 2^k) in the worst
+#: case (a model whose peak sits in its loss, as a large-vocabulary LM's does, prunes nothing: 290
+#: layers of an 8B-wide Llama took 16 s). Straight to single-tensor cuts was wrong: a T5 with LoRA on
+#: every linear layer has 416 layers at 8, 258 at 4 (the same optimal peak), 6 at 1 (1.8x the peak
+#: of HF's checkpointing).
+SIDE_AUTO_MAX_N = 300
 
 
 def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = frozenset(),

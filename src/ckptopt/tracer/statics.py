@@ -108,7 +108,8 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
     ``new_zeros`` then ``copy_`` into a slice of it, as labels are shifted into decoder
     inputs) move together, so that every write precedes every read; a static node that
     reaches no layer (an assertion on a static value) runs where the last of its inputs
-    runs. Each static node thus runs after its static inputs, wherever they went.
+    runs, or with its static users when they went elsewhere (hoisted if they went to several
+    places). Each static node thus runs after its static inputs, wherever they went.
     In graph order.
     """
     group_of = {n: j for j, members in enumerate(groups) for n in members}
@@ -165,6 +166,20 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
             inputs = [find(a) for m in members_of[c] for a in m.all_input_nodes if a in parent and find(a) is not c]
             placed = [dest[i] for i in inputs if i in dest]
             dest[c] = max(placed) if placed else min(group_of[m] for m in members_of[c])
+    # a cluster reaching no layer whose static users went elsewhere follows them (one place) or is
+    # hoisted (several): its value is passed to no layer (JambaForCausalLM's dead mask: its first op
+    # stayed in a layer of its own, the next was placed later and could not read it)
+    changed = True
+    while changed:
+        changed = False
+        for c, members in members_of.items():
+            if reach[c] or dest[c] == -1:
+                continue
+            targets = {dest[find(u)] for n in members for u in n.users if u in parent and find(u) is not c}
+            targets.discard(dest[c])
+            if targets:
+                dest[c] = next(iter(targets)) if len(targets) == 1 and min(targets) > dest[c] else -1
+                changed = True
     hoisted = [n for n in ordered if n in parent and dest[find(n)] == -1]
     moved: dict[int, list[fx.Node]] = {}
     for n in ordered:
