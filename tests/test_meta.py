@@ -141,3 +141,11 @@ def test_fake_parameters_are_planned_as_they_are():
         fake = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         fx = mode.from_tensor(x)
     assert estimate(fake, fx, optimizer="sgd") == estimate(real, x, optimizer="sgd")
+
+
+def test_calibrating_a_meta_model_is_refused_with_what_to_do():
+    meta, mx = zoo.get("mlp", batch_size=2, device="meta")
+    with pytest.raises(ValueError, match=r"runs each layer on cpu, but the model is on meta: materialize it"):
+        max_batch(meta, mx, memory="64MiB", calibrate=True)
+    with pytest.raises(ValueError, match=r"but the model is on meta"):
+        estimate(meta, mx, calibrate=True)

@@ -106,14 +106,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _load(args, meta: bool = False):
     """The model and its example batch. ``meta``: a zoo or ``hf:`` model is built on the meta device
     (no weights in memory, in the requested dtype from the start): for commands that run no real
-    step. ``--calibrate`` with ``--device cuda`` builds it on that device instead (layers run there)."""
+    step. ``--calibrate`` builds it for real (on ``--device`` when that is CUDA): layers run there."""
     from ._models import load_model
     from .torch_utils import normalize_inputs
     from .zoo.hf import parse_overrides
 
-    on_device = bool(getattr(args, "calibrate", None)) and str(getattr(args, "device", "cpu")).startswith("cuda")
+    calibrating = bool(getattr(args, "calibrate", None))  # layers run for real: a real model
+    on_device = calibrating and str(getattr(args, "device", "cpu")).startswith("cuda")
     model, inputs = load_model(args.model, args.batch, args.input_size, args.dtype,
-                               config=parse_overrides(args.config), meta=meta and not on_device)
+                               config=parse_overrides(args.config), meta=meta and not calibrating)
     model.train()
     if on_device:
         model.to(args.device)

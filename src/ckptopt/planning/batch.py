@@ -399,7 +399,7 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     model_dev = str(next(bc.model.parameters()).device)
     dev = device or model_dev
     calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
-    check_calibrate(calibrated, dev, model_dev)
+    check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
     none = search_batch(bc, "none", usable, opt)
     best = search_batch(bc, "optimal", usable, opt)

@@ -52,9 +52,10 @@ def default_calibrate(device: str, model_device: str) -> bool:
 def check_calibrate(calibrate: bool, device: str, model_device: str) -> None:
     """``calibrate=True`` runs each layer on ``device``: the model must be there."""
     if calibrate and str(device).split(":")[0] != str(model_device).split(":")[0]:
+        move = (f"materialize it there first (model.to_empty(device={str(device)!r}) and load its weights)"
+                if str(model_device) == "meta" else f"move it there first (model.to({str(device)!r}))")
         raise ValueError(f"calibrate=True runs each layer on {device}, but the model is on {model_device}: "
-                         f"move it there first (model.to({str(device)!r})), or plan without calibration "
-                         "(calibrate=False, --no-calibrate)")
+                         f"{move}, or plan without calibration (calibrate=False, --no-calibrate)")
 
 
 @dataclass(frozen=True)
