@@ -399,8 +399,12 @@ class CheckpointedModule(nn.Module):
                         "no recomputation")
             elif k < len(plan.segments) - 1:
                 held = "the model input (static)" if first == 0 else format_bytes(int(costs.a[first - 1]))
-                what = (f"checkpointed: keeps only its input {tm.layers[first].input_node} "
-                        f"({held}) and recomputes the rest in backward")
+                made_inside = {o for j in range(first, last + 1) for o in tm.layers[j].side_outputs}
+                sides = sorted({s for j in range(first, last + 1) for s in tm.layers[j].side_inputs} - made_inside)
+                keeps = ([f"{tm.layers[first].input_node} ({held})"] if first == 0 or costs.a[first - 1] else [])
+                keeps += [f"{s} (side)" for s in sides]
+                what = (f"checkpointed: keeps only what crosses into it, {', '.join(keeps) or 'nothing'}, "
+                        "and recomputes the rest in backward")
             else:
                 what = "not wrapped: keeps what its layers save, no recomputation"
             lines.append(f"  segment {k}: layers {first}-{last} ({names}): {what}")
