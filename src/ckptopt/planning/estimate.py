@@ -14,7 +14,7 @@ from ..solvers.limits import TIE_BREAK_MAX_WORK
 from ..solvers.pareto import FrontTooLarge, least_recompute
 from ..errors import InfeasibleBudget
 from ..plan import Plan
-from ..torch_utils import Inputs, normalize_inputs, storage_identity
+from ..torch_utils import Inputs, distinct_storages, normalize_inputs, storage_nbytes
 from ..tracer import trace
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
@@ -231,14 +231,9 @@ class Estimate:
 
 
 def trainable_sizes(model) -> list[int]:
-    """Bytes of each distinct trainable parameter, in ``model.parameters()`` order."""
-    seen, out = set(), []
-    for p in model.parameters():
-        key = storage_identity(p)  # (a meta model's parameters all have address 0)
-        if p.requires_grad and key not in seen:
-            seen.add(key)
-            out.append(p.untyped_storage().nbytes())
-    return out
+    """Bytes of each distinct trainable parameter, in ``model.parameters()`` order (by storage:
+    :func:`~ckptopt.torch_utils.distinct_storages`, which tells meta storages apart)."""
+    return [storage_nbytes(p) for p in distinct_storages(p for p in model.parameters() if p.requires_grad)]
 
 
 def batch_of(inputs: Inputs) -> int | None:
