@@ -27,7 +27,7 @@ STAGES = [
     ("costs", "plan", "sides"),
     ("simulator",),
     ("solvers",),
-    ("torch_utils", "tracker"),
+    ("torch_utils", "tracker", "fake"),
     ("tracer",),
     ("rewriter", "inplace"),
     ("api", "measure", "planning", "calibration"),

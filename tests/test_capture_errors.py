@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from ckptopt import TraceError, measure_peak, optimize_checkpoints
-from ckptopt.torch_utils import fake_mode, python_state, restore_python_state
+from ckptopt.fake import fake_mode
+from ckptopt.torch_utils import python_state, restore_python_state
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 X = torch.randn(4, 8)
@@ -297,19 +298,68 @@ def test_value_read_in_an_opaque_submodule():
     assert info.value.node == "_1" and "While executing" not in str(info.value)
 
 
-def test_value_read_in_an_exported_graph():
-    """Flaubert asserts `lengths.max().item() <= slen`: torch.export proves it (lengths count tokens) and keeps
-    the .item() in the graph; a fake run cannot read it."""
+def _steps_identical(ref: nn.Module, model: nn.Module, batch: dict, steps: int = 2) -> None:
+    """Two training steps (same seed each) give the same loss and gradients, an SGD update between."""
+    for seed in range(steps):
+        torch.manual_seed(seed)
+        a = ref(**batch).loss
+        a.backward()
+        torch.manual_seed(seed)
+        b = model(**batch).loss
+        b.backward()
+        assert torch.equal(a, b)
+        theirs = dict(ref.named_parameters())
+        for k, p in model.named_parameters():
+            assert torch.equal(p.grad, theirs[k].grad), k
+        with torch.no_grad():
+            for m in (ref, model):
+                for p in m.parameters():
+                    p -= 0.01 * p.grad
+                    p.grad = None
+
+
+def test_values_the_inputs_determine_are_read_from_the_example_batch():
+    """Flaubert asserts `lengths.max().item() <= slen` (torch.export keeps the .item() in the graph), BART's
+    classification head checks `unique_consecutive` of the EOS counts and indexes the EOS positions with a
+    boolean mask: values of the input ids alone, which the fake run reads from the example batch itself
+    (its shadows, torch_utils.fake_mode). Planned exactly and trained identically."""
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     cfg = transformers.FlaubertConfig(n_layers=2, emb_dim=64, n_heads=2, vocab_size=256, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = transformers.FlaubertWithLMHeadModel(cfg).train()
+    flaubert = transformers.FlaubertWithLMHeadModel(cfg).train()
     ids = torch.randint(5, 256, (2, 16))
-    with pytest.raises(TraceError, match=r"cannot measure graph node item \(aten.item.default, in transformer\): it runs "
-                                         r"a value read from a tensor \(`.item\(\)`.*modeling_flaubert.py:\d+ in forward: "
-                                         r"`assert lengths.max\(\).item\(\) <= slen`.*What to do: rewrite that line"):
-        optimize_checkpoints(model, {"input_ids": ids, "labels": ids})
+    bart_cfg = transformers.BartConfig(vocab_size=256, d_model=64, encoder_layers=1, decoder_layers=1,
+                                       encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=128,
+                                       decoder_ffn_dim=128, max_position_embeddings=64, num_labels=3)
+    bart = transformers.BartForSequenceClassification(bart_cfg).train()
+    bart_ids = torch.randint(4, 256, (2, 16))
+    bart_ids[:, -1] = bart_cfg.eos_token_id
+    for model, batch in ((flaubert, {"input_ids": ids, "labels": ids}),
+                         (bart, {"input_ids": bart_ids, "labels": torch.tensor([0, 2])})):
+        ref = copy.deepcopy(model)
+        opt = optimize_checkpoints(model, batch)
+        assert abs(measure_peak(opt, batch) - opt.predicted_peak_bytes) <= 8, type(model).__name__
+        _steps_identical(ref, model, batch)
+
+
+class _ActivationMask(nn.Module):
+    """Rows picked by a mask computed from an activation: its size depends on the weights' values."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h[h[:, 0] > 0])
+
+
+def test_value_of_an_activation_in_an_exported_graph():
+    """A boolean mask computed from an activation (not from the inputs alone): no fake run can size it."""
+    model = _ActivationMask()
+    with pytest.raises(TraceError, match=r"cannot (measure|capture).*(depends on tensor values|data-dependent)"):
+        optimize_checkpoints(model, torch.randn(16, 8), capture="export")
 
 
 def test_transformers_model_with_a_value_check(capfd):

@@ -288,3 +288,81 @@ def test_default_crosses_fewer_tensors_above_the_side_program_limit(monkeypatch)
     single = trace(model, x)
     assert single.max_crossing == 1 and not single.costs.side
     assert trace(model, x, max_crossing=8).n == several.n  # asked for: kept
+
+
+# --------------------------------------------------------------------------
+# shadows: the values the inputs alone determine, read by ops of data-dependent shape
+# --------------------------------------------------------------------------
+def test_shadows_follow_only_what_the_inputs_determine():
+    """A value computed from the inputs has a shadow; one computed with anything else (a random op,
+    a value without a shadow, an in-place write of such a value into a view) has none, and an op of
+    data-dependent shape on it still fails as on plain fake tensors."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    from ckptopt.fake import fake_mode
+
+    mode = fake_mode()
+    ids = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    expected = ids != 0
+    with mode:
+        f = mode.from_input(ids)
+        assert f in mode.shadows
+        mask = f != 0
+        real_mask = mode.shadows[mask]
+        assert tuple(f[mask].shape) == (3,)  # boolean-mask indexing sized from the shadow
+        assert mask.sum().item() == 3
+        h = torch.randn(2, 3)
+        assert h not in mode.shadows
+        assert tuple(h[mask].shape) == (3,)  # the data need no shadow, the mask does
+        z = torch.zeros(2, 3)
+        view = z[0]
+        assert view in mode.shadows
+        z.copy_(h)  # written with values we do not have: every view of it loses its shadow
+        assert z not in mode.shadows and view not in mode.shadows
+        with pytest.raises(DynamicOutputShapeException):
+            h[h > 0]
+        s = (torch.zeros(2, 4).scatter(1, torch.topk(h, 2).indices, 1.0)).to(torch.int64)
+        assert s not in mode.shadows  # (a decomposition's inner factory does not leave its shadow)
+    assert torch.equal(real_mask, expected)
+
+
+def test_layer_inputs_keep_their_layout():
+    """GQA: the keys are expanded (stride 0) and bmm copies such an operand and saves the copy; the
+    layer is measured on an input of that layout, not a contiguous clone (Mistral was under by 8 KiB
+    a layer)."""
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.o = nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(32, 32)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q(x).view(b, t, 4, 8).transpose(1, 2)
+            k = self.k(x).view(b, t, 1, 8).transpose(1, 2).expand(b, 4, t, 8)
+            a = torch.softmax(q @ k.transpose(-1, -2), -1) @ k
+            return self.o(a.transpose(1, 2).reshape(b, t, 32)) + x
+
+    model = nn.Sequential(nn.Linear(32, 32), Attn(), Attn(), nn.Linear(32, 32))
+    x = torch.randn(2, 16, 32)
+    t = trace(model, x, capture="export")
+    for plan in ((), solve(t.costs).checkpoints):  # (+8: the scalar loss and its gradient)
+        assert 0 <= measure_peak(copy.deepcopy(model), x, checkpoints=plan) - simulate(t.costs, plan).peak_bytes <= 8
+
+
+def test_a_layer_that_reads_nothing():
+    """Stochastic depth draws its mask with torch.rand from the batch size alone: a layer with no
+    input and no parameter (its device from what it makes)."""
+    class DropPath(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            keep = (torch.rand(x.shape[0], 1, dtype=x.dtype, device=x.device) > 0.2).to(x.dtype)
+            return x + self.b(torch.relu(self.a(x))) * keep
+
+    model = nn.Sequential(DropPath(), DropPath()).train()
+    x = torch.randn(8, 16)
+    t = trace(model, x, capture="export")
+    for plan in ((), solve(t.costs).checkpoints):
+        assert 0 <= measure_peak(copy.deepcopy(model), x, checkpoints=plan) - simulate(t.costs, plan).peak_bytes <= 8

@@ -13,8 +13,9 @@ from .plan import Plan
 from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
-from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value, fake_copy,
-                          normalize_inputs, python_state, quiet_fake_errors, restore_python_state, source_line)
+from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value,
+                          normalize_inputs, python_state, restore_python_state, source_line)
+from .fake import fake_copy, quiet_fake_errors
 from .tracer import trace
 from .tracer.capture import check_capture_mode
 

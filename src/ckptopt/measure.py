@@ -24,8 +24,9 @@ from torch import nn
 from .plan import Plan, normalize_plan, normalize_stored
 from .planning.optimizer import IMPLS, check_optimizer
 from .rewriter import CheckpointedModule, apply_plan
+from .fake import fake_copy
 from .simulator import simulate
-from .torch_utils import (Inputs, check_module, default_loss, fake_copy, no_lasting_state, normalize_inputs,
+from .torch_utils import (Inputs, check_module, default_loss, no_lasting_state, normalize_inputs,
                           resolve_device, tensor_leaves)
 from .tracer import TracedModel, trace
 from .tracker import StorageTracker

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Inputs", "normalize_inputs", "FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "default_loss", "tensor_leaves",
-           "storage_nbytes", "is_fake", "distinct_storages", "check_module", "resolve_device", "no_lasting_state",
+__all__ = ["Inputs", "normalize_inputs", "default_loss", "tensor_leaves",
+           "storage_nbytes", "clone_layout", "is_fake", "distinct_storages", "check_module", "resolve_device", "no_lasting_state",
            "PythonState", "python_state", "data_dependent_construct", "source_line", "own_checkpointing_hint",
-           "FAKE_VALUES_NOTE", "REWRITE_HINT", "quiet_fake_errors", "restore_python_state", "describe_value", "ATOMS", "base_container"]
+           "FAKE_VALUES_NOTE", "REWRITE_HINT", "restore_python_state", "describe_value", "ATOMS", "base_container"]
 
 
 # --------------------------------------------------------------------------
@@ -36,6 +36,41 @@ __all__ = ["Inputs", "normalize_inputs", "FakeCopy", "fake_copy", "fake_mode", "
 def tensor_leaves(obj: Any) -> list[torch.Tensor]:
     """The tensors inside nested tuples, lists, dicts and other pytree containers."""
     return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory once each (any order of dimensions)."""
+    expected = 1
+    for stride, size in sorted((int(s), int(n)) for n, s in zip(t.shape, t.stride()) if int(n) != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def clone_layout(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of ``t`` in a new storage laid out as ``t``'s: same strides, offset and
+    storage size. ``t.clone()`` makes a view that overlaps itself (GQA's ``expand`` of the keys,
+    stride 0) or one into a larger storage (a chunk) contiguous, and an op that copies the first
+    (``bmm`` clones a stride-0 operand and saves the clone) does not copy the second: a layer
+    measured on such a clone saves other tensors than in the model."""
+    t = t.detach()
+    es = t.element_size()
+    st = t.untyped_storage()
+    if (_dense(t) and t.storage_offset() == 0
+            and st.nbytes() == t.numel() * es) or st.nbytes() % es:
+        out = t.clone()
+    else:
+        base = t.new_empty(0).set_(st, 0, (st.nbytes() // es,), (1,)).clone()
+        out = base.as_strided(t.size(), t.stride(), t.storage_offset())
+    mode = getattr(t, "fake_mode", None)
+    shadows = getattr(mode, "shadows", None)
+    if shadows is not None and t in shadows and out not in shadows:  # the copy has the same value
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            mode._keep(out, shadows[t].clone())
+    return out
 
 
 def is_fake(t: torch.Tensor) -> bool:
@@ -121,202 +156,6 @@ def normalize_inputs(example_inputs: Any) -> Inputs:
         "example_inputs must be a tensor, a non-empty tuple of the model's positional arguments or a "
         f"non-empty dict of its keyword arguments (model(**batch)), got {type(example_inputs).__name__}"
     )
-
-
-# --------------------------------------------------------------------------
-# fake copies
-# --------------------------------------------------------------------------
-@dataclass
-class FakeCopy:
-    """A model and its inputs on fake tensors: the same shapes, dtypes and storages, no memory."""
-
-    mode: Any  # torch._subclasses.fake_tensor.FakeTensorMode
-    model: nn.Module
-    inputs: Inputs
-
-
-def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
-    """Deep-copy ``model`` onto fake tensors (parameters, buffers) and convert ``inputs``.
-
-    Run the copy inside ``with copy.mode:``; nothing it computes allocates memory.
-    The mode is a :func:`fake_mode`: an op runs the checks of the kernel the real
-    tensors' device runs, so a fake run takes the path the real run takes.
-    Attributes that cannot be deep-copied (a lock, an open file, a generator) are
-    shared with the copy rather than copied.
-
-    Raises
-    ------
-    TraceError
-        When the model cannot be copied even so, naming the attribute.
-    """
-    mode = fake_mode()
-    try:
-        fmodel = _fake_deepcopy(model, mode, {})
-    except Exception as exc:  # noqa: BLE001 - retried with the uncopyable attributes shared
-        shared = _uncopyable(model)
-        try:
-            fmodel = _fake_deepcopy(model, mode, {id(o): o for _, o in shared})
-        except Exception as exc2:  # noqa: BLE001
-            from .errors import TraceError
-
-            where = f" (first uncopyable attribute: {shared[0][0]})" if shared else ""
-            raise TraceError(
-                f"ckptopt cannot copy {type(model).__name__} onto fake tensors to measure it: "
-                f"{type(exc2).__name__}: {exc2}{where}. Give that attribute a __deepcopy__ (or keep it "
-                "off the model).", node=shared[0][0] if shared else type(model).__name__) from exc
-    return FakeCopy(mode, fmodel, inputs.map_tensors(mode.from_tensor))
-
-
-def _fake_deepcopy(obj: Any, mode: Any, memo: dict) -> Any:
-    import copy
-
-    from torch._subclasses.fake_tensor import FakeCopyMode
-
-    with FakeCopyMode(mode):
-        return copy.deepcopy(obj, memo)
-
-
-def _uncopyable(model: nn.Module, depth: int = 3) -> list[tuple[str, Any]]:
-    """``(path, object)`` of the innermost plain-Python objects in the model's attributes that
-    ``copy.deepcopy`` refuses (containers and plain objects are looked into, down to ``depth``)."""
-    import copy
-
-    out: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-
-    def visit(path: str, value: Any, d: int) -> None:
-        if id(value) in seen or isinstance(value, (torch.Tensor, nn.Module)) or isinstance(value, ATOMS):
-            return
-        seen.add(id(value))
-        try:
-            copy.deepcopy(value)
-            return
-        except Exception:  # noqa: BLE001 - this one, or something inside it
-            pass
-        before = len(out)
-        if d > 0:
-            try:
-                base = base_container(value)
-                if base in (dict, collections.OrderedDict):
-                    items = [(f"{path}[{k!r}]", v) for k, v in dict.items(value)]
-                elif base is not None or isinstance(value, tuple):
-                    items = [(f"{path}[{i}]", v) for i, v in enumerate(list(value))]
-                else:
-                    items = [(f"{path}.{k}", v) for k, v in object.__getattribute__(value, "__dict__").items()]
-            except Exception:  # noqa: BLE001
-                items = []
-            for p, v in items:
-                visit(p, v, d - 1)
-        if len(out) == before:
-            out.append((path, value))
-
-    for name, mod in model.named_modules():
-        for attr, value in vars(mod).items():
-            if attr not in _MODULE_INTERNALS:
-                visit(f"{name + '.' if name else ''}{attr}", value, depth)
-    return out
-
-
-def fake_mode():
-    """A ``FakeTensorMode`` whose ops follow the kernel of the tensors' device.
-
-    PyTorch's fake tensors compute an op's output with its meta function, and a
-    few meta functions carry the checks of one device's kernel (CUDA's) where
-    another device runs a more permissive one: ``aten._grouped_mm`` (the MoE
-    experts of transformers) demands bfloat16 in its meta function while the CPU
-    kernel takes float32 and float16 too. A fake run of a float32 model on CPU
-    then failed where the real run succeeds. For the ops in
-    :data:`DEVICE_FAKE_IMPLS` this mode runs the real device's checks and makes
-    the output itself; every other op runs as in ``FakeTensorMode``.
-    """
-    return _fake_mode_class()()
-
-
-@functools.lru_cache(maxsize=None)
-def _fake_mode_class():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class DeviceFakeTensorMode(FakeTensorMode):
-        def dispatch(self, func, types, args=(), kwargs=None):
-            impls = DEVICE_FAKE_IMPLS.get(str(func.name()) if hasattr(func, "name") else None)
-            if impls:
-                devices = {t.device.type for t in tensor_leaves((args, kwargs))}
-                impl = impls.get(next(iter(devices))) if len(devices) == 1 else None
-                if impl is not None:
-                    schema_args = _bind_schema(func, args, kwargs or {})
-                    size, dtype, device = impl(**schema_args)
-                    return super().dispatch(torch.ops.aten.empty.memory_format, types, (size,),
-                                            {"dtype": dtype, "device": device})
-            return super().dispatch(func, types, args, kwargs)
-
-    return DeviceFakeTensorMode
-
-
-def _bind_schema(func, args: tuple, kwargs: dict) -> dict:
-    names = [a.name for a in func._schema.arguments]
-    out = {a.name: a.default_value if a.has_default_value() else None for a in func._schema.arguments}
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return out
-
-
-def _grouped_mm_cpu(self, mat2, offs=None, bias=None, out_dtype=None):
-    """``aten._grouped_mm`` on the device-generic kernel (CPU): its checks and its output
-    (torch 2.13, ``aten/src/ATen/native/GroupedMMUtils.h``)."""
-    a, b = self, mat2
-    ok = (torch.bfloat16, torch.float16, torch.float32)
-    torch._check(a.dtype in ok and b.dtype == a.dtype,
-                 lambda: f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {a.dtype} and {b.dtype}")
-    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3),
-                 lambda: f"Multiplicands must be 2D or 3D but got mat_a.dim()={a.dim()} and mat_b.dim()={b.dim()}")
-    torch._check(a.size(-1) == b.size(-2) if a.dim() == 3 or b.dim() == 3 else True,
-                 lambda: "contraction dimension of mat_a and mat_b must match")
-    for mat in (a, b):
-        end = mat.dim() - 1
-        stride_m, stride_n = mat.stride(end - 1), mat.stride(end)
-        align = 16 // mat.element_size()
-        if stride_n == 1 and stride_m >= max(1, mat.size(end)):
-            torch._check(stride_m % align == 0, lambda: "strides should be multiple of 16 bytes")
-        elif stride_m == 1 and stride_n >= max(1, mat.size(end - 1)):
-            torch._check(stride_n % align == 0, lambda: "strides should be multiple of 16 bytes")
-        else:
-            torch._check(False, lambda: f"Invalid strides/sizes, got {tuple(mat.stride())} for strides and "
-                                        f"{tuple(mat.size())} for sizes")
-    if a.dim() == 2 or b.dim() == 2:
-        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
-                     lambda: "Offsets tensor must be a 1D int32 tensor for 2D multiplicand layouts")
-    else:
-        torch._check(offs is None, lambda: "Offsets tensor provided, but is not needed for 3D/3D multiplicand layouts.")
-    torch._check(bias is None, lambda: "Bias tensor provided, but it is not supported yet.")
-    torch._check(out_dtype is None or out_dtype == a.dtype,
-                 lambda: "Grouped gemm output dtype must match `mat_a` dtype")
-    if a.dim() == 2:
-        size = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
-    else:
-        size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
-    return size, a.dtype, a.device
-
-
-DEVICE_FAKE_IMPLS: dict[str, dict[str, Callable]] = {
-    # op name -> device type -> fn(schema arguments) -> (output size, dtype, device): ops whose meta
-    # function holds another device's checks (CUDA's); a fake run on these devices uses fn instead
-    "aten::_grouped_mm": {"cpu": _grouped_mm_cpu},
-}
-
-
-@contextmanager
-def quiet_fake_errors():
-    """Keep ``FakeTensorMode``'s own log of a failed meta function (a full traceback at ERROR level)
-    off the user's console while ckptopt runs a forward whose failure it reports itself."""
-    import logging
-
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    old = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(old)
 
 
 # --------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 from ..costs import ChainCosts
 from ..errors import TraceError
-from ..torch_utils import (Inputs, default_loss, distinct_storages, fake_copy, normalize_inputs, storage_nbytes,
+from ..fake import fake_copy
+from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_inputs, storage_nbytes,
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..torch_utils import check_module, is_fake, no_lasting_state, resolve_device, tensor_leaves
+from ..torch_utils import check_module, clone_layout, is_fake, no_lasting_state, resolve_device, tensor_leaves
 from ..tracker import StorageTracker, real_storage, storage_bytes, storage_key
 
 __all__ = ["LayerMeasurement", "measure_layer", "forward_flops"]
@@ -228,7 +228,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = (),
                   side_inputs: Iterable[torch.Tensor] = (), side_pending: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
-                  shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = ()) -> LayerMeasurement:
+                  shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
+                  like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -286,6 +287,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
         later layers read. Their gradients are injected with the chain output's and left
         out of ``b`` like it; the simulator counts them.
+    like : Tensor, optional
+        For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
+        depth mask): a tensor on the device the layer runs on (fake or real).
 
     Returns
     -------
@@ -387,7 +391,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     # a layer may read nothing from other layers (a position embedding of arange's indices): its
     # parameters tell the device and whether it runs on fake tensors
     probes = ([example_input] if example_input is not None else []) + side_inputs + static_inputs + [
-        t for t in (*module.parameters(), *module.buffers())]
+        t for t in (*module.parameters(), *module.buffers())] + ([like] if like is not None else [])
     if not probes:
         raise TypeError("measure_layer needs an input or a parameter: the chain input, side inputs, static inputs")
     probe_t = probes[0]
@@ -412,7 +416,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
         x = None
         if example_input is not None:
-            holder = [example_input.detach().clone()]
+            holder = [clone_layout(example_input)]
             if input_requires_grad and leaf_input:
                 x = holder.pop().requires_grad_(True)
             elif input_requires_grad:
@@ -426,7 +430,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
         sides = []
         for t, rec_t in zip(side_inputs, side_records):
-            h = [t.detach().clone()]
+            h = [clone_layout(t)]
             if t.requires_grad:
                 sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t))
             else:

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..costs import SideTensor
 from ..errors import TraceError
-from ..torch_utils import storage_nbytes
+from ..torch_utils import storage_nbytes, tensor_leaves
 from .capture import module_path
 from .cuts import WithLoss, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
@@ -100,6 +100,12 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         side_out = [streams.nodes[t] for t in io.side_out]
         if last:
             output = model_output
+            # what the model returns as it came in (HF returns the attention mask): read like a static
+            own = set(members)
+            for a in _nodes_in(model_output):
+                if (a not in own and a is not x_node and a not in side_in and a not in statics
+                        and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor)):
+                    statics.append(a)
         elif side_out:
             output = tuple(([io.main_out] if io.main_out is not None else []) + side_out)
         else:
@@ -153,6 +159,13 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     return layers, side, grad_store, grad_root, param_owner
 
 
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    """The graph nodes inside an output structure, in order, once each."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(arg, lambda n: found.append(n) if n not in found else None)
+    return found
+
+
 @dataclass
 class _Built:
     members: list[fx.Node]
@@ -179,6 +192,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
         kw = dict(input_requires_grad=bool(x is not None and x.requires_grad), grads_exist=existing,
                   leaf_input=bool(x is not None and x.requires_grad and x.is_leaf),
                   static_inputs=[values[s] for s in b.statics])
+        if x is None and not io.side_in and not b.statics:  # reads nothing: the device from what it makes
+            kw["like"] = next((t for n in b.members for t in tensor_leaves(values.get(n))), None)
         if io.side_in or io.side_out or x is None:
             # a side input whose gradient a later layer already made: pending, summed out of place
             kw.update(side_inputs=[values[n] for n in b.side_in],

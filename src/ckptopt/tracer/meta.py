@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..torch_utils import Inputs, fake_mode, is_fake
+from ..fake import fake_mode
+from ..torch_utils import Inputs, is_fake
 
 __all__ = ["has_meta", "unmaterialized", "planning_device", "planned_on", "refuse_meta"]
 

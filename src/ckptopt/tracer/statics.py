@@ -129,6 +129,14 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
         for a in n.all_input_nodes:
             if a in parent and any(_aliases(o, t) for o in outs for t in tensor_leaves(values.get(a))):
                 parent[find(n)] = find(a)
+    # a vmap region (transformers builds masks with nested vmaps) runs whole: its nesting calls
+    # carry no tensor, and a cut inside it would leave a vmap level open across layers
+    placed = set(ordered)
+    for region in _nesting_regions(ordered):
+        region = [n for n in region if n in placed]  # (not the get_attr nodes of the vmapped function)
+        if region and all(n in parent for n in region):
+            for n in region[1:]:
+                parent[find(n)] = find(region[0])
     members_of: dict[fx.Node, list[fx.Node]] = {}
     for n in parent:
         members_of.setdefault(find(n), []).append(n)
@@ -190,6 +198,27 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
         # the static nodes placed here, in graph order, then the layer's own nodes
         out_groups.append(moved.get(j, []) + [n for n in members if n not in parent])
     return _in_graph_order(out_groups), hoisted
+
+
+def _nesting_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
+    """The nodes of each outermost vmap region (``_vmap_increment_nesting`` to the matching
+    ``_vmap_decrement_nesting``), in graph order."""
+    if not nodes or nodes[0].graph is None:
+        return []
+    regions: list[list[fx.Node]] = []
+    depth, cur = 0, []
+    for n in nodes[0].graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if name == "_vmap_increment_nesting":
+            depth += 1
+        if depth:
+            cur.append(n)
+        if name == "_vmap_decrement_nesting" and depth:
+            depth -= 1
+            if not depth:
+                regions.append(cur)
+                cur = []
+    return regions
 
 
 def _in_graph_order(groups: list[list[fx.Node]]) -> list[list[fx.Node]]:

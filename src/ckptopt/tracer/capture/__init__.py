@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from ...errors import TraceError
-from ...torch_utils import (REWRITE_HINT, Inputs, data_dependent_construct, fake_copy, own_checkpointing_hint,
-                            python_state, quiet_fake_errors, restore_python_state, source_line)
+from ...torch_utils import (REWRITE_HINT, Inputs, data_dependent_construct, own_checkpointing_hint,
+                            python_state, restore_python_state, source_line)
+from ...fake import fake_copy, quiet_fake_errors
 from .base import Captured, module_path
 from .export import export_capture
 from .fx import fx_capture

@@ -1,0 +1,391 @@
+"""Fake copies of a model and the fake-tensor mode every stage runs them in.
+
+* :func:`fake_copy`: a model and its inputs on fake tensors (no memory);
+* :func:`fake_mode`: a ``FakeTensorMode`` whose ops follow the real device's kernel
+  (:data:`DEVICE_FAKE_IMPLS`) and that keeps the real value ("shadow") of what the example
+  inputs alone determine, so that ops of data-dependent shape on such values run;
+* :func:`quiet_fake_errors`.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .torch_utils import _MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
+
+__all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
+
+
+# --------------------------------------------------------------------------
+# fake copies
+# --------------------------------------------------------------------------
+@dataclass
+class FakeCopy:
+    """A model and its inputs on fake tensors: the same shapes, dtypes and storages, no memory."""
+
+    mode: Any  # torch._subclasses.fake_tensor.FakeTensorMode
+    model: nn.Module
+    inputs: Inputs
+
+
+def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
+    """Deep-copy ``model`` onto fake tensors (parameters, buffers) and convert ``inputs``.
+
+    Run the copy inside ``with copy.mode:``; nothing it computes allocates memory.
+    The mode is a :func:`fake_mode`: an op runs the checks of the kernel the real
+    tensors' device runs, so a fake run takes the path the real run takes.
+    Attributes that cannot be deep-copied (a lock, an open file, a generator) are
+    shared with the copy rather than copied.
+
+    Raises
+    ------
+    TraceError
+        When the model cannot be copied even so, naming the attribute.
+    """
+    mode = fake_mode()
+    try:
+        fmodel = _fake_deepcopy(model, mode, {})
+    except Exception as exc:  # noqa: BLE001 - retried with the uncopyable attributes shared
+        shared = _uncopyable(model)
+        try:
+            fmodel = _fake_deepcopy(model, mode, {id(o): o for _, o in shared})
+        except Exception as exc2:  # noqa: BLE001
+            from .errors import TraceError
+
+            where = f" (first uncopyable attribute: {shared[0][0]})" if shared else ""
+            raise TraceError(
+                f"ckptopt cannot copy {type(model).__name__} onto fake tensors to measure it: "
+                f"{type(exc2).__name__}: {exc2}{where}. Give that attribute a __deepcopy__ (or keep it "
+                "off the model).", node=shared[0][0] if shared else type(model).__name__) from exc
+    _shadow_constants(model, fmodel, mode)
+    return FakeCopy(mode, fmodel, inputs.map_tensors(mode.from_input))
+
+
+SHADOW_CONSTANT_MAX_ELEMENTS = 1 << 20
+
+
+def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
+    """Shadow the copy's buffers and graph constants (a decoder start token, position ids) with
+    their real values: what the inputs determine is often computed with them too."""
+    if not hasattr(mode, "shadows"):
+        return
+    pairs = list(zip((b for _, b in model.named_buffers()), (b for _, b in fmodel.named_buffers())))
+    if isinstance(model, torch.fx.GraphModule):
+        for n in model.graph.nodes:
+            if n.op != "get_attr":
+                continue
+            try:
+                real, fake = _getattr_path(model, n.target), _getattr_path(fmodel, n.target)
+            except AttributeError:
+                continue
+            if isinstance(real, torch.Tensor) and not isinstance(real, nn.Parameter):
+                pairs.append((real, fake))
+    for real, fake in pairs:
+        if (isinstance(real, torch.Tensor) and is_fake(fake) and not is_fake(real) and not real.is_meta
+                and not real.requires_grad and real.numel() <= SHADOW_CONSTANT_MAX_ELEMENTS
+                and fake not in mode.shadows and tuple(real.shape) == tuple(fake.shape)):
+            mode._keep(fake, real.detach().clone())
+
+
+def _getattr_path(obj: Any, target: str) -> Any:
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _fake_deepcopy(obj: Any, mode: Any, memo: dict) -> Any:
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeCopyMode
+
+    with FakeCopyMode(mode):
+        return copy.deepcopy(obj, memo)
+
+
+def _uncopyable(model: nn.Module, depth: int = 3) -> list[tuple[str, Any]]:
+    """``(path, object)`` of the innermost plain-Python objects in the model's attributes that
+    ``copy.deepcopy`` refuses (containers and plain objects are looked into, down to ``depth``)."""
+    import copy
+
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(path: str, value: Any, d: int) -> None:
+        if id(value) in seen or isinstance(value, (torch.Tensor, nn.Module)) or isinstance(value, ATOMS):
+            return
+        seen.add(id(value))
+        try:
+            copy.deepcopy(value)
+            return
+        except Exception:  # noqa: BLE001 - this one, or something inside it
+            pass
+        before = len(out)
+        if d > 0:
+            try:
+                base = base_container(value)
+                if base in (dict, collections.OrderedDict):
+                    items = [(f"{path}[{k!r}]", v) for k, v in dict.items(value)]
+                elif base is not None or isinstance(value, tuple):
+                    items = [(f"{path}[{i}]", v) for i, v in enumerate(list(value))]
+                else:
+                    items = [(f"{path}.{k}", v) for k, v in object.__getattribute__(value, "__dict__").items()]
+            except Exception:  # noqa: BLE001
+                items = []
+            for p, v in items:
+                visit(p, v, d - 1)
+        if len(out) == before:
+            out.append((path, value))
+
+    for name, mod in model.named_modules():
+        for attr, value in vars(mod).items():
+            if attr not in _MODULE_INTERNALS:
+                visit(f"{name + '.' if name else ''}{attr}", value, depth)
+    return out
+
+
+def fake_mode():
+    """A ``FakeTensorMode`` whose ops follow the kernel of the tensors' device.
+
+    PyTorch's fake tensors compute an op's output with its meta function, and a
+    few meta functions carry the checks of one device's kernel (CUDA's) where
+    another device runs a more permissive one: ``aten._grouped_mm`` (the MoE
+    experts of transformers) demands bfloat16 in its meta function while the CPU
+    kernel takes float32 and float16 too. A fake run of a float32 model on CPU
+    then failed where the real run succeeds. For the ops in
+    :data:`DEVICE_FAKE_IMPLS` this mode runs the real device's checks and makes
+    the output itself; every other op runs as in ``FakeTensorMode``.
+    """
+    return _fake_mode_class()()
+
+
+# Shadows: the real values of what the example inputs alone determine. Fake tensors carry shapes and
+# no values, so an op whose output shape depends on values (``nonzero``, boolean-mask indexing,
+# ``unique_consecutive``, ``.item()``) cannot run on them. Such values are mostly computed from the
+# inputs (the index of each row's EOS token in sequence classification, the positions of audio
+# tokens, a sequence's length); the fake mode keeps a real copy ("shadow") of every tensor computed
+# from the inputs only (never from a parameter, never a random op) and answers those ops from it.
+SHADOW_MAX_ELEMENTS = 1 << 24  # a shadowed op's outputs beyond this are not computed for real
+_INDEX_OPS = ("aten::index.Tensor", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_",
+              "aten::_unsafe_index_put", "aten::_unsafe_index.Tensor")
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_mode_class():
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               FakeTensor, FakeTensorMode, unset_fake_temporarily)
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    data_dependent = (DynamicOutputShapeException, DataDependentOutputException)
+
+    class DeviceFakeTensorMode(FakeTensorMode):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.shadows = WeakIdKeyDictionary()  # fake tensor -> its real value
+            self._views: dict[int, list] = {}  # fake storage id -> weak references to the shadowed views of it
+
+        def _keep(self, fake, real) -> None:
+            import weakref
+
+            self.shadows[fake] = real
+            self._views.setdefault(id(fake.untyped_storage()), []).append(weakref.ref(fake))
+
+        def _forget(self, fake) -> None:
+            """Drop the shadows of every view of ``fake``'s storage (written with values we lack)."""
+            for ref in self._views.pop(id(fake.untyped_storage()), ()):
+                t = ref()
+                if t is not None:
+                    self.shadows.pop(t, None)
+            self.shadows.pop(fake, None)
+
+        def from_input(self, t: torch.Tensor) -> torch.Tensor:
+            """A model input as a fake tensor; its value is kept as a shadow unless it requires grad."""
+            fake = self.from_tensor(t)
+            if not t.requires_grad and not t.is_meta and not is_fake(t) and t.numel() <= SHADOW_MAX_ELEMENTS:
+                with unset_fake_temporarily():
+                    real = t.detach().clone()
+                self._keep(fake, real)
+            return fake
+
+        def dispatch(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            impls = DEVICE_FAKE_IMPLS.get(str(func.name()) if hasattr(func, "name") else None)
+            if impls:
+                devices = {t.device.type for t in tensor_leaves((args, kwargs))}
+                impl = impls.get(next(iter(devices))) if len(devices) == 1 else None
+                if impl is not None:
+                    schema_args = _bind_schema(func, args, kwargs)
+                    size, dtype, device = impl(**schema_args)
+                    return super().dispatch(torch.ops.aten.empty.memory_format, types, (size,),
+                                            {"dtype": dtype, "device": device})
+            if not self.shadows:
+                return super().dispatch(func, types, args, kwargs)
+            try:
+                out = super().dispatch(func, types, args, kwargs)
+            except data_dependent:
+                out = self._from_shadows(func, types, args, kwargs)
+                if out is None:
+                    raise
+                return out
+            self._shadow(func, args, kwargs, out)
+            return out
+
+        # -- shadows ---------------------------------------------------------------------------
+        def _real(self, func, args, kwargs):
+            """``func`` run on the shadows (None when an input tensor has none, or the run fails)."""
+            leaves = pytree.tree_leaves((args, kwargs))
+            if any(isinstance(t, FakeTensor) and t not in self.shadows for t in leaves):
+                return None
+            if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):
+                return None  # (a real tensor beside fake ones: not ours to compute with)
+            real_args, real_kwargs = pytree.tree_map_only(FakeTensor, lambda t: self.shadows[t], (args, kwargs))
+            try:
+                with unset_fake_temporarily(), torch.no_grad():
+                    return (func(*real_args, **real_kwargs),)
+            except Exception:  # noqa: BLE001 - a value we cannot compute: the op stays unshadowed
+                return None
+
+        def _shadow(self, func, args, kwargs, out) -> None:
+            if torch.Tag.nondeterministic_seeded in func.tags or torch.Tag.inplace_view in func.tags:
+                return
+            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, FakeTensor)]
+            mutated = func._schema.is_mutable
+            if not outs and not mutated:
+                return
+            big = sum(t.numel() for t in outs) > SHADOW_MAX_ELEMENTS
+            real = None if big else self._real(func, args, kwargs)
+            if real is None:
+                for t in outs:  # (an inner op of a decomposition may have shadowed it)
+                    self.shadows.pop(t, None)
+                if mutated:  # a shadow written with values we do not have is no longer its value
+                    for t in _written(func, args, kwargs):
+                        if isinstance(t, FakeTensor):
+                            self._forget(t)
+                return
+            for f, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real[0])):
+                if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor) and tuple(f.shape) == tuple(r.shape):
+                    self._keep(f, r)
+
+        def _from_shadows(self, func, types, args, kwargs):
+            """An op whose output shape depends on values, answered from the shadows: run for real
+            when every input is shadowed; a boolean-mask index made integer indices from its shadow."""
+            real = self._real(func, args, kwargs)
+            if real is not None:
+                def fake_of(r):
+                    if not isinstance(r, torch.Tensor):
+                        return r
+                    with unset_fake_temporarily():
+                        f = self.from_tensor(r)
+                    self._keep(f, r)
+                    return f
+                return pytree.tree_map(fake_of, real[0])
+            name = str(func.name())
+            if name in _INDEX_OPS or name == "aten::masked_select":
+                idx_pos = 1
+                indices = list(args[idx_pos]) if name != "aten::masked_select" else [args[1]]
+                new = []
+                changed = False
+                for t in indices:
+                    if isinstance(t, FakeTensor) and t.dtype in (torch.bool, torch.uint8) and t in self.shadows:
+                        mask = self.shadows[t]
+                        if name == "aten::masked_select":
+                            shape = torch.broadcast_shapes(tuple(args[0].shape), tuple(mask.shape))
+                            count = int(torch.broadcast_to(mask, shape).count_nonzero())
+                            return super().dispatch(torch.ops.aten.empty.memory_format, types, ((count,),),
+                                                    {"dtype": args[0].dtype, "device": args[0].device})
+                        with unset_fake_temporarily():
+                            longs = [self.from_tensor(i) for i in mask.nonzero().unbind(1)]
+                        new.extend(longs)
+                        changed = True
+                    else:
+                        new.append(t)
+                if changed:
+                    args = (args[0], new, *args[2:])
+                    return super().dispatch(func, types, args, kwargs)
+            return None
+
+    return DeviceFakeTensorMode
+
+
+def _written(func, args: tuple, kwargs: dict) -> list:
+    """The tensors an op writes into (its schema's ``Tensor(a!)`` arguments)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            out.extend(t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor))
+    return out
+
+
+def _bind_schema(func, args: tuple, kwargs: dict) -> dict:
+    names = [a.name for a in func._schema.arguments]
+    out = {a.name: a.default_value if a.has_default_value() else None for a in func._schema.arguments}
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
+def _grouped_mm_cpu(self, mat2, offs=None, bias=None, out_dtype=None):
+    """``aten._grouped_mm`` on the device-generic kernel (CPU): its checks and its output
+    (torch 2.13, ``aten/src/ATen/native/GroupedMMUtils.h``)."""
+    a, b = self, mat2
+    ok = (torch.bfloat16, torch.float16, torch.float32)
+    torch._check(a.dtype in ok and b.dtype == a.dtype,
+                 lambda: f"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got {a.dtype} and {b.dtype}")
+    torch._check(a.dim() in (2, 3) and b.dim() in (2, 3),
+                 lambda: f"Multiplicands must be 2D or 3D but got mat_a.dim()={a.dim()} and mat_b.dim()={b.dim()}")
+    torch._check(a.size(-1) == b.size(-2) if a.dim() == 3 or b.dim() == 3 else True,
+                 lambda: "contraction dimension of mat_a and mat_b must match")
+    for mat in (a, b):
+        end = mat.dim() - 1
+        stride_m, stride_n = mat.stride(end - 1), mat.stride(end)
+        align = 16 // mat.element_size()
+        if stride_n == 1 and stride_m >= max(1, mat.size(end)):
+            torch._check(stride_m % align == 0, lambda: "strides should be multiple of 16 bytes")
+        elif stride_m == 1 and stride_n >= max(1, mat.size(end - 1)):
+            torch._check(stride_n % align == 0, lambda: "strides should be multiple of 16 bytes")
+        else:
+            torch._check(False, lambda: f"Invalid strides/sizes, got {tuple(mat.stride())} for strides and "
+                                        f"{tuple(mat.size())} for sizes")
+    if a.dim() == 2 or b.dim() == 2:
+        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+                     lambda: "Offsets tensor must be a 1D int32 tensor for 2D multiplicand layouts")
+    else:
+        torch._check(offs is None, lambda: "Offsets tensor provided, but is not needed for 3D/3D multiplicand layouts.")
+    torch._check(bias is None, lambda: "Bias tensor provided, but it is not supported yet.")
+    torch._check(out_dtype is None or out_dtype == a.dtype,
+                 lambda: "Grouped gemm output dtype must match `mat_a` dtype")
+    if a.dim() == 2:
+        size = [offs.size(0), a.size(0), b.size(1)] if b.dim() == 2 else [a.size(0), b.size(-1)]
+    else:
+        size = [a.size(1), b.size(1)] if b.dim() == 2 else [a.size(0), a.size(1), b.size(-1)]
+    return size, a.dtype, a.device
+
+
+DEVICE_FAKE_IMPLS: dict[str, dict[str, Callable]] = {
+    # op name -> device type -> fn(schema arguments) -> (output size, dtype, device): ops whose meta
+    # function holds another device's checks (CUDA's); a fake run on these devices uses fn instead
+    "aten::_grouped_mm": {"cpu": _grouped_mm_cpu},
+}
+
+
+@contextmanager
+def quiet_fake_errors():
+    """Keep ``FakeTensorMode``'s own log of a failed meta function (a full traceback at ERROR level)
+    off the user's console while ckptopt runs a forward whose failure it reports itself."""
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    old = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
