@@ -153,7 +153,8 @@ def _without_graph_listings(text: str) -> str:
 _FAKE_LIMITS = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
                 "UnsupportedFakeTensorException", "GuardOnDataDependentSymNode", "MetadataMismatchError",
                 "NotImplementedError")
-_FAKE_LIMIT_TEXT = ("FakeTensor", "fake tensor", "data pointer", "data_ptr")
+_FAKE_LIMIT_TEXT = ("FakeTensor", "fake tensor", "data pointer", "data_ptr",
+                    "Couldn't swap")  # (_apply on a fake copy's parameter: a module cast inside forward)
 
 
 def _fake_limit(exc: BaseException) -> bool:
