@@ -366,3 +366,28 @@ def test_a_layer_that_reads_nothing():
     t = trace(model, x, capture="export")
     for plan in ((), solve(t.costs).checkpoints):
         assert 0 <= measure_peak(copy.deepcopy(model), x, checkpoints=plan) - simulate(t.costs, plan).peak_bytes <= 8
+
+
+def test_parameters_the_loss_does_not_reach_get_no_gradient():
+    """A head whose output is returned beside what the loss reads (SigLIP's attention pooling under
+    image classification, BERT's pooler under masked LM) gets no parameter gradients: priced so."""
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64))
+            self.used, self.unused = nn.Linear(64, 8), nn.Linear(64, 512)
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.used(h), self.unused(h)
+
+    model = TwoHeads()
+    x = torch.randn(16, 32)
+
+    def loss_fn(out):
+        return out[0].pow(2).mean()
+
+    t = trace(model, x, loss_fn=loss_fn)
+    for plan in ((), solve(t.costs).checkpoints):
+        measured = measure_peak(copy.deepcopy(model), x, loss_fn=loss_fn, checkpoints=plan)
+        assert 0 <= measured - simulate(t.costs, plan).peak_bytes <= 8

@@ -228,6 +228,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     rec = FakeRecorder(fake_gm)
     with fake_mode, torch.enable_grad():
         out = rec.run(*fake.inputs.args)
+        trained = _trained_parameters(out, captured, loss_fn)
     values = dict(rec.values)  # keyed by the nodes of fake_gm
     cast_cache_bytes = autocast_cache_bytes(fake_gm, fake.inputs, fake_mode)
     if not any(t.requires_grad for t in tensor_leaves(out)):
@@ -286,7 +287,10 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     fake_params = {id(p): p for p in fake_gm.parameters() if p.requires_grad}
     p_bytes = [0] * len(layers)
     for pid, j in param_owner.items():
-        p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params else 0
+        # (a parameter the loss does not reach gets no gradient: a head whose output is returned
+        # beside the loss, SigLIP's attention pooling under image classification)
+        p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params and (
+            trained is None or pid in trained) else 0
     param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
     buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
     input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
@@ -328,6 +332,30 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
                        inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta,
                        max_crossing=max_crossing)
+
+
+def _trained_parameters(out: Any, captured: Captured, loss_fn: Callable) -> set[int] | None:
+    """Ids of the parameters the loss's backward reaches (their AccumulateGrad nodes), from the
+    propagation run's fake output; None when the loss cannot be formed here (all count)."""
+    try:
+        loss = loss_fn(captured.rebuild(out) if captured.rebuild is not None else out)
+    except Exception:  # noqa: BLE001 - the last layer's measurement reports a loss that fails
+        return None
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return None
+    seen: set = set()
+    found: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found.add(id(variable))
+        stack.extend(f for f, _ in fn.next_functions)
+    return found
 
 
 def _nx_graph(gm: fx.GraphModule, values: dict, fake_gm: fx.GraphModule) -> nx.DiGraph:
