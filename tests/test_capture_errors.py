@@ -379,3 +379,24 @@ def test_transformers_model_with_a_value_check(capfd):
         optimize_checkpoints(model, batch)
     err = capfd.readouterr().err
     assert "def forward(self" not in err  # torch.export's partial graph is not printed
+
+
+def test_a_branch_on_the_labels_is_taken_as_the_example_takes_it():
+    """DeBERTa's classification head branches on `label_index.size(0) > 0` (labels to score exist):
+    torch.export stops on it; captured again with the example's values, the branch is kept as a
+    runtime assertion. Planned exactly, trained identically, and a batch that would take the other
+    branch stops loudly instead of running the wrong graph. A branch on float data is refused."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.DebertaV2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.DebertaV2ForSequenceClassification(cfg).train()
+    batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.tensor([0, 2])}
+    ref = copy.deepcopy(model)
+    opt = optimize_checkpoints(model, batch)
+    assert any("Runtime assertion" in n for n in opt.traced.capture.notes)
+    assert 0 <= measure_peak(opt, batch) - opt.predicted_peak_bytes <= 8
+    _steps_identical(ref, model, batch)
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        model(input_ids=batch["input_ids"], labels=torch.tensor([-1, -1]))

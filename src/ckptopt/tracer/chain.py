@@ -306,9 +306,15 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
     hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
                      - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
+    # the prefix's own high point (ProphetNet builds 20 MB of relative-position buckets to keep a
+    # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
+    f0 = [l.costs.f for l in layers]
+    if hoisted and f0:
+        f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
+                    - sum(t.bytes for t in early))
     costs = ChainCosts(
         a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
-        sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=[l.costs.f for l in layers],
+        sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0,
         b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
         bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
         bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
@@ -332,6 +338,37 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
                        inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta,
                        max_crossing=max_crossing)
+
+
+def _prefix_peak(hoisted: list[fx.Node], values: dict, existing: list) -> int:
+    """The most bytes the hoisted prefix holds at once beyond what exists before it (inputs,
+    parameters, buffers): each value's new storages from its node until its last reader in the
+    prefix (kept to the end when a layer or the output reads it)."""
+    from ..torch_utils import storage_identity
+
+    before = {storage_identity(t) for t in existing}
+    order = {n: i for i, n in enumerate(hoisted)}
+    inside = set(hoisted)
+    last: dict[fx.Node, int] = {}
+    for n in hoisted:
+        last[n] = len(hoisted) if any(u not in inside for u in n.users) else max(
+            (order[u] for u in n.users), default=order[n])
+    live: dict[int, int] = {}  # storage -> bytes
+    owners: dict[int, set] = {}
+    peak = cur = 0
+    for i, n in enumerate(hoisted):
+        for t in tensor_leaves(values.get(n)):
+            k = storage_identity(t)
+            if k in before:
+                continue
+            owners.setdefault(k, set()).add(n)
+            if k not in live:
+                live[k] = storage_nbytes(t)
+                cur += live[k]
+        peak = max(peak, cur)
+        for k in [k for k, who in owners.items() if k in live and all(last[m] <= i for m in who)]:
+            cur -= live.pop(k)
+    return peak
 
 
 def _trained_parameters(out: Any, captured: Captured, loss_fn: Callable) -> set[int] | None:

@@ -55,6 +55,56 @@ from .base import Captured
 __all__ = ["export_capture"]
 
 
+def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc: BaseException,
+                              notes: list[str]) -> Any:
+    """``torch.export`` through branches on values the example inputs alone determine (DeBERTa's
+    ``if label_index.size(0) > 0``, ProphetNet's assert on the shifted labels), or None.
+
+    Export runs once more with real-tensor propagation (its ``draft_export`` mode): each such branch
+    is taken as the example takes it and kept in the graph as a runtime assertion, so a batch that
+    would take the other branch stops with "Runtime assertion failed" instead of running the wrong
+    graph. Accepted only when every assertion depends on integer inputs (token ids, labels, masks),
+    buffers and constants alone: one on a random draw (LayerDrop's ``if rand() < layerdrop``), on an
+    activation or on float data would fail at some later step, so the original error stands.
+    """
+    from torch.export import export
+
+    from ...torch_utils import data_dependent_construct
+    from ..statics import is_random
+
+    if data_dependent_construct(exc) is None or any(
+            t.is_meta for t in (*model.parameters(), *inputs.tensors())):
+        return None
+    import torch._functorch.config as functorch_config
+
+    try:
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        return None
+    gm = ep.module(check_guards=False)
+    params = {name for name, _ in gm.named_parameters()}
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and "_assert_scalar" in str(n.target)]
+    for a in asserts:
+        stack, seen = [a], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if (n.op == "get_attr" and n.target in params) or is_random(gm, n):
+                return None  # an assumption on an activation or a random draw
+            value = n.meta.get("val") if n.op == "placeholder" else None
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                return None  # on float data (a branch on `x.sum() > 0` flips from batch to batch)
+            stack.extend(n.all_input_nodes)
+    if asserts:
+        notes.append(f"captured with the example batch's values for {len(asserts)} data-dependent branch"
+                     f"{'es' if len(asserts) > 1 else ''} on the inputs (torch.export with real tensors); "
+                     "a batch that takes another branch stops with 'Runtime assertion failed'")
+    return ep
+
+
 def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | type] | None = None) -> Captured:
     """Capture ``model`` called as ``model(*inputs.args, **inputs.kwargs)`` with ``torch.export``.
 
@@ -81,8 +131,10 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
             try:
                 ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
             except Exception as exc2:
-                raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
-                                 node=type(model).__name__) from exc2
+                ep = _export_with_input_values(target, model, inputs, exc2, notes)
+                if ep is None:
+                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
+                                     node=type(model).__name__) from exc2
             dynamic = False
             notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
                          "other shapes run the original forward")
