@@ -63,8 +63,9 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
     Export runs once more with real-tensor propagation (its ``draft_export`` mode): each such branch
     is taken as the example takes it and kept in the graph as a runtime assertion, so a batch that
     would take the other branch stops with "Runtime assertion failed" instead of running the wrong
-    graph. Accepted only when every assertion depends on integer inputs (token ids, labels, masks),
-    buffers and constants alone: one on a random draw (LayerDrop's ``if rand() < layerdrop``), on an
+    graph. Accepted only when every assertion depends on integer inputs (token ids, labels, masks)
+    and constants alone: one on a buffer (BatchNorm's batch counter changes every step), on a
+    random draw (LayerDrop's ``if rand() < layerdrop``), on an
     activation or on float data would fail at some later step, so the original error stands.
     """
     from torch.export import export
@@ -83,7 +84,7 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
     except Exception:  # noqa: BLE001 - the first error is the one to report
         return None
     gm = ep.module(check_guards=False)
-    params = {name for name, _ in gm.named_parameters()}
+    params = {name for name, _ in gm.named_parameters()} | {name for name, _ in gm.named_buffers()}
     asserts = [n for n in gm.graph.nodes if n.op == "call_function" and "_assert_scalar" in str(n.target)]
     for a in asserts:
         stack, seen = [a], set()
@@ -93,7 +94,7 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
                 continue
             seen.add(n)
             if (n.op == "get_attr" and n.target in params) or is_random(gm, n):
-                return None  # an assumption on an activation or a random draw
+                return None  # an assumption on an activation, on state (a counter) or a random draw
             value = n.meta.get("val") if n.op == "placeholder" else None
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return None  # on float data (a branch on `x.sum() > 0` flips from batch to batch)
