@@ -90,7 +90,8 @@ def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
                 pairs.append((real, fake))
     for real, fake in pairs:
         if (isinstance(real, torch.Tensor) and is_fake(fake) and not is_fake(real) and not real.is_meta
-                and not real.requires_grad and real.numel() <= SHADOW_CONSTANT_MAX_ELEMENTS
+                and not real.requires_grad and not real.is_floating_point() and not real.is_complex()
+                and real.numel() <= SHADOW_CONSTANT_MAX_ELEMENTS
                 and fake not in mode.shadows and tuple(real.shape) == tuple(fake.shape)):
             mode._keep(fake, real.detach().clone())
 
@@ -181,14 +182,12 @@ _INDEX_OPS = ("aten::index.Tensor", "aten::index_put", "aten::index_put_", "aten
 def _fake_mode_class():
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensor, FakeTensorMode, unset_fake_temporarily)
-    from torch.utils.weak import WeakIdKeyDictionary
-
     data_dependent = (DynamicOutputShapeException, DataDependentOutputException)
 
     class DeviceFakeTensorMode(FakeTensorMode):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self.shadows = WeakIdKeyDictionary()  # fake tensor -> its real value
+            self.shadows = _Shadows()  # fake tensor -> its real value
             self._views: dict[int, list] = {}  # fake storage id -> weak references to the shadowed views of it
 
         def _keep(self, fake, real) -> None:
@@ -206,9 +205,12 @@ def _fake_mode_class():
             self.shadows.pop(fake, None)
 
         def from_input(self, t: torch.Tensor) -> torch.Tensor:
-            """A model input as a fake tensor; its value is kept as a shadow unless it requires grad."""
+            """A model input as a fake tensor; the value of an integer or boolean one (ids, labels,
+            masks: what sizes data-dependent ops in practice) is kept as a shadow. Float data gets
+            none, so a model fed only floats pays nothing for shadows."""
             fake = self.from_tensor(t)
-            if not t.requires_grad and not t.is_meta and not is_fake(t) and t.numel() <= SHADOW_MAX_ELEMENTS:
+            if (not t.requires_grad and not t.is_meta and not is_fake(t) and t.numel() <= SHADOW_MAX_ELEMENTS
+                    and not t.is_floating_point() and not t.is_complex()):
                 with unset_fake_temporarily():
                     real = t.detach().clone()
                 self._keep(fake, real)
@@ -253,7 +255,17 @@ def _fake_mode_class():
                 return None
 
         def _shadow(self, func, args, kwargs, out) -> None:
-            if torch.Tag.nondeterministic_seeded in func.tags or torch.Tag.inplace_view in func.tags:
+            shadows = self.shadows
+            if (any(isinstance(t, FakeTensor) and t not in shadows for t in _tensors(args, kwargs))
+                    or torch.Tag.nondeterministic_seeded in func.tags or torch.Tag.inplace_view in func.tags):
+                # no value for what it makes (an inner op of a decomposition may have shadowed it),
+                # and what it writes is no longer its shadow's value
+                for t in _tensors((out,), {}):
+                    shadows.pop(t, None)
+                if func._schema.is_mutable:
+                    for t in _written(func, args, kwargs):
+                        if isinstance(t, FakeTensor):
+                            self._forget(t)
                 return
             outs = [t for t in pytree.tree_leaves(out) if isinstance(t, FakeTensor)]
             mutated = func._schema.is_mutable
@@ -262,9 +274,9 @@ def _fake_mode_class():
             big = sum(t.numel() for t in outs) > SHADOW_MAX_ELEMENTS
             real = None if big else self._real(func, args, kwargs)
             if real is None:
-                for t in outs:  # (an inner op of a decomposition may have shadowed it)
-                    self.shadows.pop(t, None)
-                if mutated:  # a shadow written with values we do not have is no longer its value
+                for t in outs:
+                    shadows.pop(t, None)
+                if mutated:
                     for t in _written(func, args, kwargs):
                         if isinstance(t, FakeTensor):
                             self._forget(t)
@@ -312,6 +324,57 @@ def _fake_mode_class():
             return None
 
     return DeviceFakeTensorMode
+
+
+class _Shadows:
+    """Fake tensor -> its real value, by identity, forgotten when the fake tensor dies (a dict of
+    ids with weak references: cheaper per lookup than ``WeakIdKeyDictionary``, and every op of a
+    fake run looks its inputs up)."""
+
+    def __init__(self):
+        self._d: dict[int, tuple] = {}
+
+    def __contains__(self, t) -> bool:
+        e = self._d.get(id(t))
+        return e is not None and e[0]() is t
+
+    def __getitem__(self, t):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            raise KeyError(t)
+        return e[1]
+
+    def __setitem__(self, t, real) -> None:
+        import weakref
+
+        k, d = id(t), self._d
+
+        def gone(ref, k=k, d=d):
+            if d.get(k, (None,))[0] is ref:
+                del d[k]
+
+        d[k] = (weakref.ref(t, gone), real)
+
+    def pop(self, t, default=None):
+        e = self._d.get(id(t))
+        if e is None or e[0]() is not t:
+            return default
+        del self._d[id(t)]
+        return e[1]
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _tensors(args: tuple, kwargs: dict) -> list:
+    """The tensors among an op's arguments (flat, or in one level of lists: ``cat``, ``index``)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
