@@ -87,7 +87,7 @@ TOLERANCE = {"gpt": 0.005}
 # transient f), which finer cuts expose more often (gpt plan (7, 12): 1,016 B of 39,432, 2.6%).
 OVER_SIDE = 0.03
 LONG = os.environ.get("CKPTOPT_DAG_LONG", "") not in ("", "0")
-SAMPLE = 40  # plans with three cuts or more, per model, in the default profile
+SAMPLE = 20  # plans with three cuts or more, per model, in the default profile
 
 
 @pytest.mark.parametrize("crossing", [1, MAX_CROSSING])

@@ -45,7 +45,7 @@ from ckptopt.tracer import trace
 
 from .common.fuzz import Node, Spec, build, specs
 
-FAST_EXAMPLES = 8
+FAST_EXAMPLES = 5
 LONG = os.environ.get("CKPTOPT_FUZZ", "") == "long"
 LONG_EXAMPLES = int(os.environ.get("CKPTOPT_FUZZ_N", "400"))
 STEPS = 2  # a second step catches a BatchNorm statistic updated twice

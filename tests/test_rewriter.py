@@ -17,7 +17,6 @@ ZOO_SMALL = {
     "vgg16": dict(batch_size=2, input_size=32),
     "resnet18": dict(batch_size=2, input_size=32),
     "resnet50": dict(batch_size=2, input_size=32),
-    "resnet152": dict(batch_size=2, input_size=32),
     "densenet121": dict(batch_size=2, input_size=32),
     "mobilenet_v2": dict(batch_size=2, input_size=32),
     "unet": dict(batch_size=2, input_size=32, base=8),

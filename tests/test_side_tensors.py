@@ -28,7 +28,7 @@ def plans(n, stored_too=True):
                     yield plan, stored
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(side_costs(max_n=7))
 def test_simulator_agrees_with_the_reference(c):
     for plan, stored in plans(c.n):
