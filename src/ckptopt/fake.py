@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -83,7 +84,8 @@ def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
             if n.op != "get_attr":
                 continue
             try:
-                real, fake = _getattr_path(model, n.target), _getattr_path(fmodel, n.target)
+                get = operator.attrgetter(n.target)
+                real, fake = get(model), get(fmodel)
             except AttributeError:
                 continue
             if isinstance(real, torch.Tensor) and not isinstance(real, nn.Parameter):
@@ -94,12 +96,6 @@ def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
                 and real.numel() <= SHADOW_CONSTANT_MAX_ELEMENTS
                 and fake not in mode.shadows and tuple(real.shape) == tuple(fake.shape)):
             mode._keep(fake, real.detach().clone())
-
-
-def _getattr_path(obj: Any, target: str) -> Any:
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _fake_deepcopy(obj: Any, mode: Any, memo: dict) -> Any:

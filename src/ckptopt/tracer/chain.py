@@ -29,13 +29,14 @@ import torch.nn as nn
 from ..costs import ChainCosts
 from ..errors import TraceError
 from ..fake import fake_copy
-from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_inputs, storage_nbytes,
+from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_inputs, storage_identity, storage_nbytes,
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
 from .streams import layer_streams, merge_aliased, merge_outputless
+from .layer_costs import reachable
 from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
 from .statics import param_views, place_statics, static_nodes
@@ -344,8 +345,6 @@ def _prefix_peak(hoisted: list[fx.Node], values: dict, existing: list) -> int:
     """The most bytes the hoisted prefix holds at once beyond what exists before it (inputs,
     parameters, buffers): each value's new storages from its node until its last reader in the
     prefix (kept to the end when a layer or the output reads it)."""
-    from ..torch_utils import storage_identity
-
     before = {storage_identity(t) for t in existing}
     order = {n: i for i, n in enumerate(hoisted)}
     inside = set(hoisted)
@@ -380,19 +379,7 @@ def _trained_parameters(out: Any, captured: Captured, loss_fn: Callable) -> set[
         return None
     if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
         return None
-    seen: set = set()
-    found: set[int] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found.add(id(variable))
-        stack.extend(f for f, _ in fn.next_functions)
-    return found
+    return {id(fn.variable) for fn in reachable([loss]) if isinstance(getattr(fn, "variable", None), torch.Tensor)}
 
 
 def _nx_graph(gm: fx.GraphModule, values: dict, fake_gm: fx.GraphModule) -> nx.DiGraph:

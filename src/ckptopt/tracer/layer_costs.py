@@ -547,7 +547,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
                     # created last, so run first: the gradient a later layer already made (only
                     # for a side input the layer's backward reaches: one it reads the size of gets none)
-                    reached = _reachable([o for o in outs_all if o.requires_grad])
+                    reached = reachable([o for o in outs_all if o.requires_grad])
                     roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
                               if p and t.requires_grad and t.grad_fn in reached]
                     del reached  # (autograd nodes: holding them keeps what they hold)
@@ -652,7 +652,7 @@ def _key(t: torch.Tensor, fake: bool) -> Any:
     return storage_key(s) if s is not None else None
 
 
-def _reachable(outputs: list[torch.Tensor]) -> set:
+def reachable(outputs: list[torch.Tensor]) -> set:
     """The autograd nodes a backward from ``outputs`` reaches."""
     seen: set = set()
     stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
