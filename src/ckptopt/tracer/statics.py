@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..torch_utils import tensor_leaves
+from .capture.functions import is_opaque_function
 
 __all__ = ["static_nodes", "param_views", "place_statics", "is_random"]
 
@@ -44,6 +45,8 @@ def is_random(gm: fx.GraphModule, n: fx.Node) -> bool:
         return isinstance(mod, fx.GraphModule) and any(is_random(mod, x) for x in mod.graph.nodes)
     if n.op not in ("call_function", "call_method"):
         return False
+    if is_opaque_function(n.target):
+        return True  # a model's own autograd.Function, kept whole: what it draws cannot be seen
     name = getattr(n.target, "__name__", None) or str(n.target)
     if _RANDOM.search(str(n.target)) or _RANDOM.search(name):
         return True

@@ -51,6 +51,7 @@ from torch.utils import _pytree as pytree
 from ...errors import TraceError
 from ...torch_utils import Inputs
 from .base import Captured
+from .functions import opaque_functions
 
 __all__ = ["export_capture"]
 
@@ -122,7 +123,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     if leaf_modules:
         notes.append("leaf_modules applies to torch.fx only; torch.export captures every op")
     target = _named_call(model, inputs)
-    with _no_cache(model, notes):
+    with _no_cache(model, notes), opaque_functions():
         try:
             ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False,
                         dynamic_shapes=_dynamic_shapes(target, inputs))

@@ -17,6 +17,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...torch_utils import Inputs
 from .base import Captured
+from .functions import opaque_functions
 
 __all__ = ["fx_capture"]
 
@@ -84,7 +85,8 @@ def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | ty
     for _ in range(len(known) + 1):
         tracer = _LeafTracer(names | set(opaque), types)
         try:
-            graph = tracer.trace(model)
+            with opaque_functions():
+                graph = tracer.trace(model)
         except _Retry as r:
             last = r
             if r.qualname in opaque or r.qualname == "":
