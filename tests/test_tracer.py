@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ckptopt import TraceError, simulate, solve, zoo
+from ckptopt import Plan, TraceError, apply_plan, simulate, solve, zoo
 from ckptopt.measure import measure_peak
 from ckptopt.tracer import trace
 
@@ -391,3 +391,63 @@ def test_parameters_the_loss_does_not_reach_get_no_gradient():
     for plan in ((), solve(t.costs).checkpoints):
         measured = measure_peak(copy.deepcopy(model), x, loss_fn=loss_fn, checkpoints=plan)
         assert 0 <= measured - simulate(t.costs, plan).peak_bytes <= 8
+
+
+class _RoundThrough(torch.autograd.Function):
+    """Straight-through rounding: the backward is not the derivative of the forward (which is 0)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        return torch.round(x * scale) / scale
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _SavingGelu(torch.autograd.Function):
+    """Saves its input only (autograd through the forward's ops would save four tensors)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return g * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_custom_autograd_functions_keep_their_backward(capture):
+    """A model's own autograd.Function (Bloom's GELU, YOSO's LSH cumulation) stays one call in the
+    graph: the rewritten module runs its backward, not autograd's derivative of its forward ops
+    (rounding's derivative is 0), and the tracer measures what the Function saves."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x):
+            return x + self.b(_SavingGelu.apply(_RoundThrough.apply(self.a(x), 4.0)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block() for _ in range(3)), nn.Linear(32, 8))
+    x = torch.randn(4, 16, 32)
+    t = trace(model, x, capture=capture)
+    nodes = [n for n in t.capture.gm.graph.nodes if n.op == "call_function"]
+    assert not any("round" in str(n.target) for n in nodes), "traced through the Function's forward"
+    ref = copy.deepcopy(model)
+    ref(x).sum().backward()
+    for cps in ((), tuple(range(1, t.n)), solve(t.costs).checkpoints):
+        opt = apply_plan(model, t, Plan(cps, simulate(t.costs, cps).peak_bytes, "given", 0.0, t.n))
+        try:
+            opt(x).sum().backward()
+            for p, q in zip(ref.parameters(), model.parameters()):
+                assert torch.equal(p.grad, q.grad), cps
+                q.grad = None
+            assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8, cps
+        finally:
+            opt.remove_hooks()
