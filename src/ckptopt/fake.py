@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .torch_utils import _MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
 
-__all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
+__all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "device_meta_kernels", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
 
 
 # --------------------------------------------------------------------------
@@ -433,6 +433,43 @@ DEVICE_FAKE_IMPLS: dict[str, dict[str, Callable]] = {
     # function holds another device's checks (CUDA's); a fake run on these devices uses fn instead
     "aten::_grouped_mm": {"cpu": _grouped_mm_cpu},
 }
+
+
+@contextmanager
+def device_meta_kernels(device_type: str):
+    """While active, the meta functions of :data:`DEVICE_FAKE_IMPLS`' ops follow ``device_type``'s
+    kernel: for fake modes ckptopt does not own (``torch.export``'s), whose meta tensors no longer
+    know the device. The caller names the device (the model's)."""
+    ops = {name: impls[device_type] for name, impls in DEVICE_FAKE_IMPLS.items() if device_type in impls}
+    if not ops:
+        yield
+        return
+    from torch._C import DispatchKey
+
+    def kernel(impl, overload):
+        def meta(*args, **kwargs):
+            size, dtype, _ = impl(**_bind_schema(overload, args, kwargs))
+            return torch.empty(size, dtype=dtype, device="meta")
+
+        return meta
+
+    # the meta function is a Python kernel of the overload (used under the Python dispatcher, as
+    # torch.export runs): swapped for the duration, the overload's dispatch cache cleared both ways
+    saved = {}
+    for name, impl in ops.items():
+        overload = getattr(torch.ops.aten, name.split("::")[1]).default
+        saved[overload] = overload.py_kernels.get(DispatchKey.Meta)
+        overload.py_kernels[DispatchKey.Meta] = kernel(impl, overload)
+        overload._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for overload, old in saved.items():
+            if old is None:
+                overload.py_kernels.pop(DispatchKey.Meta, None)
+            else:
+                overload.py_kernels[DispatchKey.Meta] = old
+            overload._dispatch_cache.clear()
 
 
 @contextmanager

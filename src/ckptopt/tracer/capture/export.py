@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ...errors import TraceError
+from ...fake import device_meta_kernels
 from ...torch_utils import Inputs
 from .base import Captured
 from .functions import opaque_functions
@@ -117,29 +118,12 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
         the graph holds a construct checkpointing would change (an op updating running
         statistics that a recomputation could not leave alone).
     """
-    from torch.export import export
-
     notes: list[str] = []
     if leaf_modules:
         notes.append("leaf_modules applies to torch.fx only; torch.export captures every op")
     target = _named_call(model, inputs)
     with _no_cache(model, notes), opaque_functions():
-        try:
-            ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False,
-                        dynamic_shapes=_dynamic_shapes(target, inputs))
-            dynamic = True
-        except Exception as exc:  # noqa: BLE001 - retried at the example's shapes, reported if that fails too
-            first = _first_line(exc)
-            try:
-                ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
-            except Exception as exc2:
-                ep = _export_with_input_values(target, model, inputs, exc2, notes)
-                if ep is None:
-                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
-                                     node=type(model).__name__) from exc2
-            dynamic = False
-            notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
-                         "other shapes run the original forward")
+        ep, dynamic = _export(target, model, inputs, notes)
     gm = ep.module(check_guards=False)
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm.graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output; the specs are kept
@@ -171,6 +155,72 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
 
     return Captured(gm, "export", {}, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
+
+
+def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str]) -> tuple[Any, bool]:
+    """The exported program and whether its shapes are dynamic.
+
+    The model is first exported as it runs eagerly (:func:`_eager_flags`); when that stops on a
+    data-dependent construct the model skips under ``torch.export`` (its own
+    ``if not is_torchdynamo_compiling()`` checks), it is exported as torch.export presents itself."""
+    from torch.export import export
+
+    from ...torch_utils import data_dependent_construct
+
+    args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
+    first = None
+    devices = {t.device.type for t in (*model.parameters(), *inputs.tensors()) if not t.is_meta}
+    device = devices.pop() if len(devices) == 1 else "meta"  # (meta: no override)
+    for eager in (True, False):
+        with _eager_flags(eager), device_meta_kernels(device):
+            try:
+                return export(target, args, kwargs=kwargs, strict=False,
+                              dynamic_shapes=_dynamic_shapes(target, inputs)), True
+            except Exception as exc:  # noqa: BLE001 - retried at the example's shapes, reported if that fails too
+                if eager and data_dependent_construct(exc) is not None:
+                    continue
+                first = first or _first_line(exc)
+            try:
+                ep = export(target, args, kwargs=kwargs, strict=False)
+            except Exception as exc2:
+                if eager:
+                    continue
+                ep = _export_with_input_values(target, model, inputs, exc2, notes)
+                if ep is None:
+                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
+                                     node=type(model).__name__) from exc2
+        notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
+                     "other shapes run the original forward")
+        return ep, False
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def _eager_flags(eager: bool):
+    """While active (``eager``), ``torch.compiler.is_compiling()`` and ``is_exporting()`` answer False to
+    callers outside torch, as in eager mode: a model that picks a deployment-friendly path under export
+    (the gated-delta models solve their triangular systems by a Python loop of row updates when
+    ``is_exporting()``) is captured on the path it trains on. torch itself still sees the export."""
+    import sys
+
+    if not eager:
+        yield
+        return
+    compiler = torch.compiler
+    saved = compiler.is_compiling, compiler.is_exporting
+
+    def wrap(real):
+        def flag() -> bool:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            return real() if caller.split(".")[0] == "torch" else False
+
+        return flag
+
+    compiler.is_compiling, compiler.is_exporting = wrap(saved[0]), wrap(saved[1])
+    try:
+        yield
+    finally:
+        compiler.is_compiling, compiler.is_exporting = saved
 
 
 class _NamedCall(nn.Module):
