@@ -186,3 +186,38 @@ def test_moved_modules_live_only_at_their_new_paths(old, new):
     """The node-level experimental path is gone: several tensors crossing a cut is the stable path."""
     assert importlib.util.find_spec(old) is None
     assert importlib.import_module(new).__all__
+
+
+class _PicksPath(torch.nn.Module):
+    """Takes another path under torch.export (as the gated-delta models do: a Python loop instead of
+    solve_triangular) and skips a data-dependent check under compilation (as transformers does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = torch.sigmoid(h) if self.pick and torch.compiler.is_exporting() else torch.tanh(h)
+        if not torch.compiler.is_compiling() and self.check and bool((h.abs() > 1e6).any()):
+            raise ValueError("overflow")
+        return self.c(torch.relu(self.b(h))).square().mean()
+
+
+@pytest.mark.parametrize("pick, check", [(True, False), (False, True)],
+                         ids=["eager-path", "check-skipped-as-under-export"])
+def test_the_model_is_captured_on_the_path_it_trains_on(pick, check):
+    """The model sees eager mode while it is exported (torch itself still sees the export); a check
+    that cannot run on fake tensors sends the capture back to torch.export's own flags."""
+    torch.manual_seed(0)
+    model = _PicksPath()
+    model.pick, model.check = pick, check
+    x = torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    opt = optimize_checkpoints(model, (x,), capture="export")  # (the rewritten module runs the graph)
+    a, b = ref(x), opt(x)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
