@@ -451,3 +451,38 @@ def test_custom_autograd_functions_keep_their_backward(capture):
             assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8, cps
         finally:
             opt.remove_hooks()
+
+
+def test_a_static_buffer_filled_by_the_model_stays_where_it_is_filled():
+    """PEGASUS-X fills a ``zeros`` (static: from sizes alone) with values it computes in the forward:
+    the zeros, its slices and what reads them run where the model fills them (hoisted before the
+    first layer, a checkpointed segment saved the slice at version 0 and backward found version 2)."""
+    class Filled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            pe = torch.zeros(x.shape[0], 8)
+            pe[:, :4] = torch.rand(x.shape[0], 4)  # a writer that is not static
+            pe[:, 4:] = torch.rand(x.shape[0], 4)
+            for b in self.blocks:
+                x = torch.tanh(b(x) + pe)
+            return x.pow(2).mean()
+
+    model = Filled().train()
+    x = torch.randn(16, 8)
+    t = trace(model, x, capture="export")
+    every = tuple(range(1, t.n))
+    torch.manual_seed(0)
+    ref = copy.deepcopy(model)
+    ref(x).backward()
+    opt = apply_plan(model, t, Plan(every, simulate(t.costs, every).peak_bytes, "given", 0.0, t.n))
+    try:
+        torch.manual_seed(0)
+        opt(x).backward()
+        for p, q in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8
+    finally:
+        opt.remove_hooks()

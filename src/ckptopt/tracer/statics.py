@@ -72,7 +72,30 @@ def static_nodes(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]
             static.add(n)
         elif n.op != "get_attr" and all(a in static for a in n.all_input_nodes) and not is_random(gm, n):
             static.add(n)
-    return static
+    return _unwritten(gm, values, static)
+
+
+def _unwritten(gm: fx.GraphModule, values: dict[fx.Node, Any], static: set[fx.Node]) -> set[fx.Node]:
+    """``static`` less the values an op that is not static writes in place (PEGASUS-X fills a static
+    ``zeros`` with the sines of positions computed from the embeddings' length): such a storage holds
+    what the model computes, where it computes it, and so does everything computed from it."""
+    from .cuts import _mutated
+
+    written = [values[a] for n in gm.graph.nodes if n not in static and n.op in ("call_function", "call_method",
+                                                                               "call_module")
+               for a in _mutated(gm, n) if a in static and tensor_leaves(values.get(a))]
+    if not written:
+        return static
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n not in static:
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            out.add(n)  # an input or buffer written in place: the writer is the model's own update
+        elif all(a in out for a in n.all_input_nodes if a in static) and all(a in static for a in n.all_input_nodes) \
+                and not any(_aliases(v, w) for v in tensor_leaves(values.get(n)) for w in written):
+            out.add(n)
+    return out
 
 
 def param_views(gm: fx.GraphModule, values: dict[fx.Node, Any]) -> set[fx.Node]:
