@@ -221,3 +221,26 @@ def test_the_model_is_captured_on_the_path_it_trains_on(pick, check):
     assert torch.equal(a, b)
     for p, q in zip(ref.parameters(), model.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_module_cast_to_its_own_dtype_in_the_forward():
+    """SwitchTransformers' router casts its classifier to the dtype it has on every call: nothing
+    changes, and torch.export (which cannot swap fake parameters) captures it."""
+    class Casts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+
+        def forward(self, x):
+            self.b = self.b.to(torch.float32)
+            return self.b(torch.relu(self.a(x))).square().mean()
+
+    model = Casts()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    opt = optimize_checkpoints(model, (x,), capture="export")
+    a, b = ref(x), opt(x)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))

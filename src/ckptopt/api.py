@@ -15,7 +15,7 @@ from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
 from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value,
                           normalize_inputs, python_state, restore_python_state, source_line)
-from .fake import fake_copy, quiet_fake_errors
+from .fake import fake_copy, idle_module_to, quiet_fake_errors
 from .tracer import trace
 from .tracer.capture import check_capture_mode
 
@@ -222,7 +222,7 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     fake = fake_copy(model, normalize_inputs(example_inputs))
     copy = fake.model
     try:
-        with quiet_fake_errors(), fake.mode, torch.no_grad():
+        with quiet_fake_errors(), idle_module_to(), fake.mode, torch.no_grad():
             fake.inputs.call(copy)
             first = _summaries(python_state(copy))
             fake.inputs.call(copy)

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .torch_utils import _MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
 
-__all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "device_meta_kernels", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
+__all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "device_meta_kernels", "idle_module_to", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
 
 
 # --------------------------------------------------------------------------
@@ -470,6 +470,30 @@ def device_meta_kernels(device_type: str):
             else:
                 overload.py_kernels[DispatchKey.Meta] = old
             overload._dispatch_cache.clear()
+
+
+@contextmanager
+def idle_module_to():
+    """``module.to(dtype)`` in a forward that changes nothing (SwitchTransformers' router casts its
+    classifier to the dtype it has, every call) returns the module: under torch.export and in
+    ckptopt's fake copies the parameters are fake tensors, which ``nn.Module._apply`` cannot swap
+    even for themselves."""
+    original = torch.nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and all(
+                (device is None or t.device == device or (device.index is None and t.device.type == device.type))
+                and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+                for t in (*self.parameters(), *self.buffers())):
+            return self
+        return original(self, *args, **kwargs)
+
+    torch.nn.Module.to = to
+    try:
+        yield
+    finally:
+        torch.nn.Module.to = original
 
 
 @contextmanager

@@ -49,7 +49,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ...errors import TraceError
-from ...fake import device_meta_kernels
+from ...fake import device_meta_kernels, idle_module_to
 from ...torch_utils import Inputs
 from .base import Captured
 from .functions import opaque_functions
@@ -122,7 +122,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     if leaf_modules:
         notes.append("leaf_modules applies to torch.fx only; torch.export captures every op")
     target = _named_call(model, inputs)
-    with _no_cache(model, notes), opaque_functions():
+    with _no_cache(model, notes), opaque_functions(), idle_module_to():
         ep, dynamic = _export(target, model, inputs, notes)
     gm = ep.module(check_guards=False)
     in_spec, out_spec = gm._in_spec, gm._out_spec
