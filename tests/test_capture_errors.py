@@ -385,3 +385,27 @@ def test_a_branch_on_the_labels_is_taken_as_the_example_takes_it():
     _steps_identical(ref, model, batch)
     with pytest.raises(RuntimeError, match="Runtime assertion failed"):
         model(input_ids=batch["input_ids"], labels=torch.tensor([-1, -1]))
+
+
+class _LayerDrop(nn.Module):
+    """Skips each layer with probability 0.1 in training (M2M100, NLLB-MoE, SeamlessM4T)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if torch.rand([]) < 0.1:
+                continue
+            x = torch.tanh(layer(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("capture", ["auto", "export"])
+def test_a_branch_on_a_random_draw_names_the_fix(capture):
+    """Which layers run changes every step: one graph cannot hold that. torch.fx would bake the
+    example's draw into the graph (it runs `torch.rand` for real), torch.export stops on it; both
+    errors say it is a random draw and how to turn it off."""
+    with pytest.raises(TraceError, match=r"(random draw|baked).*layerdrop=0"):
+        optimize_checkpoints(_LayerDrop(), (X,), capture=capture)

@@ -232,6 +232,13 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
         if construct is not None and front_end != "fx":
             return (f"the check for Python side effects in forward was skipped: the forward, run outside "
                     f"torch.export, reads a tensor's value{' at ' + line if line else ''}")
+        if construct is not None:  # a value torch.fx computed once, for real, and baked into the graph
+            raise TraceError(
+                f"{name}'s forward reads a tensor's value{' at ' + line if line else ''} ({construct}) from tensors "
+                "torch.fx does not trace (made in the forward: `torch.rand(...)`, `torch.tensor(...)`): FX ran it once "
+                "while tracing and baked that outcome into the graph, which other steps would not take. Make the "
+                "value constant (LayerDrop: config.layerdrop=0), or move the code into a submodule and pass it in "
+                "leaf_modules=[...] so it runs as Python every step.", node=name) from exc
         raise TraceError(
             f"{name} was captured, but running its forward again on a fake-tensor copy (ckptopt's check for "
             f"Python side effects in forward) failed: {_first_line(exc)}{' at ' + line if line else ''}. If the forward runs on these inputs outside ckptopt, skip the "

@@ -95,8 +95,11 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
             if n in seen:
                 continue
             seen.add(n)
-            if (n.op == "get_attr" and n.target in params) or is_random(gm, n):
-                return None  # an assumption on an activation, on state (a counter) or a random draw
+            if is_random(gm, n):
+                notes.append(_RANDOM_BRANCH)
+                return None
+            if n.op == "get_attr" and n.target in params:
+                return None  # an assumption on an activation or on state (a counter)
             value = n.meta.get("val") if n.op == "placeholder" else None
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 return None  # on float data (a branch on `x.sum() > 0` flips from batch to batch)
@@ -106,6 +109,11 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
                      f"{'es' if len(asserts) > 1 else ''} on the inputs (torch.export with real tensors); "
                      "a batch that takes another branch stops with 'Runtime assertion failed'")
     return ep
+
+
+_RANDOM_BRANCH = ("the branch depends on a random draw (LayerDrop's `if torch.rand([]) < layerdrop`: which "
+                  "layers run changes every step, and one captured graph cannot); turn the random skip off for "
+                  "planning and training (e.g. config.layerdrop=0, encoder_layerdrop=0, decoder_layerdrop=0)")
 
 
 def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | type] | None = None) -> Captured:
@@ -187,7 +195,8 @@ def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str
                     continue
                 ep = _export_with_input_values(target, model, inputs, exc2, notes)
                 if ep is None:
-                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}",
+                    why = "; " + _RANDOM_BRANCH if _RANDOM_BRANCH in notes else ""
+                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}{why}",
                                      node=type(model).__name__) from exc2
         notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
                      "other shapes run the original forward")
