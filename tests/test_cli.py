@@ -121,6 +121,35 @@ def deep_factory(batch_size=16):
     return torch.nn.Sequential(*layers, torch.nn.Linear(64, 2)), (torch.randn(batch_size, 64),)
 
 
+def seq_factory(batch_size=4, input_size=32):
+    """A token model whose activations grow with the sequence length."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 32), *[torch.nn.Sequential(
+        torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32)) for _ in range(4)])
+    return model, (torch.randint(0, 100, (batch_size, input_size)),)
+
+
+def test_max_batch_sequence_sweep(capsys):
+    """One row per sequence length, each the answer max-batch gives at that length alone; a longer
+    sequence fits fewer samples."""
+    argv = ("max-batch", "tests.test_cli:seq_factory", "--memory", "3MiB", "--optimizer", "sgd")
+    code, out, _ = run(capsys, *argv, "--seq-sweep", "64,256", "--json")
+    assert code == 0
+    rows = json.loads(out)["sweep"]
+    assert [r["seq"] for r in rows] == [64, 256]
+    for r in rows:
+        _, alone, _ = run(capsys, *argv, "--seq", str(r["seq"]), "--json")
+        alone = json.loads(alone)
+        for key in ("no_checkpointing", "optimal"):
+            assert r[key]["batch"] == alone[key]["batch"] and r[key]["peak_bytes"] == alone[key]["peak_bytes"]
+        assert r["traces"] > 0
+    assert rows[0]["optimal"]["batch"] > rows[1]["optimal"]["batch"] > 0
+    code, out, _ = run(capsys, *argv, "--seq-sweep", "64,256")
+    assert code == 0 and "traces in all" in out and len(out.strip().splitlines()) == 6
+
+
 def test_estimate_table_and_json(capsys):
     code, out, _ = run(capsys, "estimate", "tests.test_cli:deep_factory", "--batch", "4096", "--optimizer", "sgd")
     assert code == 0
@@ -148,6 +177,7 @@ def test_max_batch_json_with_target(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["max-batch", "mlp", "--memory", "8 furlongs"], "not a memory size"),
     (["max-batch", "mlp", "--memory", "0"], "positive"),
+    (["max-batch", "mlp", "--memory", "1GiB", "--seq-sweep", "64,x"], "sequence lengths"),
     (["estimate", "mlp", "--optimizer", "lion"], "invalid choice"),
 ])
 def test_planning_bad_input(capsys, argv, match):

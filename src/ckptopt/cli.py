@@ -411,9 +411,58 @@ def _fit_line(fit) -> str:
     return line
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        out = []
+    if not out or any(x < 1 for x in out):
+        raise ValueError(f"--seq-sweep takes positive sequence lengths separated by commas (e.g. 1024,2048,4096), "
+                         f"got {text!r}")
+    return out
+
+
+def cmd_max_batch_sweep(args: argparse.Namespace) -> int:
+    """``max-batch --seq-sweep L1,L2,...``: the largest batch at each sequence length (one model built and
+    traced per length, on the meta device)."""
+    from .planning import max_batch
+
+    if args.target_batch is not None:
+        raise ValueError("--seq-sweep and --target-batch do not combine: sweep first, then plan one length")
+    memory = parse_bytes(args.memory) if args.memory else None
+    rows = []
+    for length in _lengths(args.seq_sweep):
+        args.input_size = length
+        model, inputs = _load(args, meta=True)
+        mb = max_batch(model, inputs, memory, calibrate=args.calibrate, optimizer=args.optimizer, device=args.device,
+                       leaf_modules=args.leaf, capture=args.capture, headroom=_headroom(args))
+        rows.append((length, mb))
+    if args.json:
+        json.dump(dict(model=args.model, dtype=args.dtype, device=args.device,
+                       sweep=[dict(seq=length, **mb.to_dict()) for length, mb in rows]), sys.stdout, indent=1)
+        print()
+        return 0
+    first = rows[0][1]
+    print(f"{args.model}: memory {format_bytes(first.memory_bytes)}, optimizer {first.optimizer.name} "
+          f"({first.optimizer.impl} step, {args.device}), {args.dtype}")
+    head = f"{'seq':>7} {'no ckpt':>8} {'optimal':>8} {'optimal peak':>13} {'recompute':>9} {'traces':>6}"
+    print(head)
+    print("-" * len(head))
+    for length, mb in rows:
+        o = mb.optimal
+        peak = format_bytes(o.peak_bytes) if o.batch else "-"
+        share = f"{100 * o.recompute_share:.1f}%" if o.batch else "-"
+        print(f"{length:>7} {mb.no_checkpointing.batch:>8} {o.batch:>8} {peak:>13} {share:>9} {mb.traces:>6}")
+    print(f"({sum(mb.traces for _, mb in rows)} traces in all; batch 0: batch 1 does not fit; "
+          f"{first.headroom.describe()})")
+    return 0
+
+
 def cmd_max_batch(args: argparse.Namespace) -> int:
     from .planning import max_batch, plan_training
 
+    if getattr(args, "seq_sweep", None):
+        return cmd_max_batch_sweep(args)
     memory = parse_bytes(args.memory) if args.memory else None
     if args.target_batch is not None and args.target_batch < 1:
         raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
@@ -547,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-batch", type=int, metavar="N",
                    help="the batch the optimizer should see: list micro-batch / accumulation-step choices that "
                         "reach it within --memory, with their recompute overhead")
+    p.add_argument("--seq-sweep", metavar="L1,L2,...",
+                   help="the largest batch at each of these sequence lengths (or input sizes), one row each, "
+                        "with the traces each answer took")
     _planning_args(p)
     p.set_defaults(func=cmd_max_batch)
     return parser
