@@ -326,6 +326,26 @@ def test_shadows_follow_only_what_the_inputs_determine():
     assert torch.equal(real_mask, expected)
 
 
+def test_small_float_constants_have_shadows():
+    """Longformer builds its extended attention mask from the integer mask and a float constant and
+    reads back whether any token is global (`.item()`): a small float buffer or constant has a
+    shadow, so what it computes with the inputs has one; a large float table has none."""
+    from ckptopt.fake import SHADOW_FLOAT_CONSTANT_MAX_ELEMENTS, fake_copy
+    from ckptopt.torch_utils import normalize_inputs
+
+    m = nn.Module()
+    m.register_buffer("scale", torch.tensor([-10000.0]))
+    m.register_buffer("table", torch.randn(SHADOW_FLOAT_CONSTANT_MAX_ELEMENTS + 1))
+    ids = torch.tensor([[1, 0], [1, 1]])
+    fc = fake_copy(m, normalize_inputs((ids,)))
+    with fc.mode:
+        mask = fc.inputs.args[0]
+        ext = (1.0 - mask.float()) * fc.model.scale
+        assert ext in fc.mode.shadows
+        assert (ext < 0).any().item() is True
+        assert fc.model.table not in fc.mode.shadows
+
+
 def test_layer_inputs_keep_their_layout():
     """GQA: the keys are expanded (stride 0) and bmm copies such an operand and saves the copy; the
     layer is measured on an input of that layout, not a contiguous clone (Mistral was under by 8 KiB

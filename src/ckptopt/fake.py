@@ -71,6 +71,10 @@ def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
 
 
 SHADOW_CONSTANT_MAX_ELEMENTS = 1 << 20
+#: Float buffers and constants get shadows up to this size: the scalars a mask is built with
+#: (Longformer's extended attention mask, from which it reads its global-attention count), not
+#: the tables of a large model (its activations would follow them for real).
+SHADOW_FLOAT_CONSTANT_MAX_ELEMENTS = 1 << 10
 
 
 def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
@@ -92,8 +96,9 @@ def _shadow_constants(model: nn.Module, fmodel: nn.Module, mode: Any) -> None:
                 pairs.append((real, fake))
     for real, fake in pairs:
         if (isinstance(real, torch.Tensor) and is_fake(fake) and not is_fake(real) and not real.is_meta
-                and not real.requires_grad and not real.is_floating_point() and not real.is_complex()
-                and real.numel() <= SHADOW_CONSTANT_MAX_ELEMENTS
+                and not real.requires_grad and not real.is_complex()
+                and real.numel() <= (SHADOW_CONSTANT_MAX_ELEMENTS if not real.is_floating_point() else
+                                     SHADOW_FLOAT_CONSTANT_MAX_ELEMENTS)
                 and fake not in mode.shadows and tuple(real.shape) == tuple(fake.shape)):
             mode._keep(fake, real.detach().clone())
 

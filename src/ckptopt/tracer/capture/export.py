@@ -168,40 +168,66 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
 def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str]) -> tuple[Any, bool]:
     """The exported program and whether its shapes are dynamic.
 
-    The model is first exported as it runs eagerly (:func:`_eager_flags`); when that stops on a
+    The model is first exported as it runs eagerly (:func:`_eager_flags`). When that stops on a
     data-dependent construct the model skips under ``torch.export`` (its own
-    ``if not is_torchdynamo_compiling()`` checks), it is exported as torch.export presents itself."""
+    ``if not is_torchdynamo_compiling()`` checks), or succeeds with a graph that reads a tensor's
+    value (``.item()``, Longformer's global-attention count, which the compiled path does not
+    read), it is exported as torch.export presents itself; the eager graph is kept if that fails."""
     from torch.export import export
 
     from ...torch_utils import data_dependent_construct
 
     args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
-    first = None
+    first, held = None, None
     devices = {t.device.type for t in (*model.parameters(), *inputs.tensors()) if not t.is_meta}
     device = devices.pop() if len(devices) == 1 else "meta"  # (meta: no override)
     for eager in (True, False):
+        ep = None
         with _eager_flags(eager), device_meta_kernels(device):
             try:
-                return export(target, args, kwargs=kwargs, strict=False,
-                              dynamic_shapes=_dynamic_shapes(target, inputs)), True
+                ep, dynamic = export(target, args, kwargs=kwargs, strict=False,
+                                     dynamic_shapes=_dynamic_shapes(target, inputs)), True
             except Exception as exc:  # noqa: BLE001 - retried at the example's shapes, reported if that fails too
                 if eager and data_dependent_construct(exc) is not None:
                     continue
                 first = first or _first_line(exc)
-            try:
-                ep = export(target, args, kwargs=kwargs, strict=False)
-            except Exception as exc2:
-                if eager:
-                    continue
-                ep = _export_with_input_values(target, model, inputs, exc2, notes)
-                if ep is None:
-                    why = "; " + _RANDOM_BRANCH if _RANDOM_BRANCH in notes else ""
-                    raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc2)}{why}",
-                                     node=type(model).__name__) from exc2
+            if ep is None:
+                try:
+                    ep, dynamic = export(target, args, kwargs=kwargs, strict=False), False
+                except Exception as exc2:
+                    if eager:
+                        continue
+                    ep = _export_with_input_values(target, model, inputs, exc2, notes)
+                    if ep is None and held is not None:
+                        ep, dynamic = held
+                        break
+                    if ep is None:
+                        why = "; " + _RANDOM_BRANCH if _RANDOM_BRANCH in notes else ""
+                        raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
+                                         f"{_first_line(exc2)}{why}", node=type(model).__name__) from exc2
+                    dynamic = False
+        if eager and _reads_values(ep):
+            held = (ep, dynamic)
+            continue
+        break
+    if not dynamic:
         notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
                      "other shapes run the original forward")
-        return ep, False
-    raise AssertionError("unreachable")
+    return ep, dynamic
+
+
+def _reads_values(ep: Any) -> bool:
+    """Whether the exported graph reads a value back from a tensor (a size or number known only at run
+    time: an unbacked symbol)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in ep.graph.nodes:
+        try:
+            if free_unbacked_symbols(n.meta.get("val")):
+                return True
+        except Exception:  # noqa: BLE001 - a value of a kind it does not walk
+            continue
+    return False
 
 
 @contextmanager
