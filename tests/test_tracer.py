@@ -459,6 +459,7 @@ def test_custom_autograd_functions_keep_their_backward(capture):
     t = trace(model, x, capture=capture)
     nodes = [n for n in t.capture.gm.graph.nodes if n.op == "call_function"]
     assert not any("round" in str(n.target) for n in nodes), "traced through the Function's forward"
+    assert any("_RoundThrough" in note and "_SavingGelu" in note for note in t.capture.notes), t.capture.notes
     ref = copy.deepcopy(model)
     ref(x).sum().backward()
     for cps in ((), tuple(range(1, t.n)), solve(t.costs).checkpoints):

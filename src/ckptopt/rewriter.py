@@ -389,6 +389,8 @@ class CheckpointedModule(nn.Module):
                       "prices them)" if captured.dynamic else "other shapes run the original forward")
             lines.append(f"captured with torch.export ({'; '.join(captured.notes) or 'as asked'}); {shapes}; "
                          "eval mode and no_grad run the original forward")
+        elif captured is not None and captured.notes:
+            lines.append(f"captured with torch.fx ({'; '.join(captured.notes)})")
         if not plan.checkpoints:
             lines.append("checkpointing cannot lower the peak of this model at these shapes: "
                          "it runs unchanged (one unwrapped segment)")

@@ -52,7 +52,7 @@ from ...errors import TraceError
 from ...fake import device_meta_kernels, idle_module_to
 from ...torch_utils import Inputs
 from .base import Captured
-from .functions import opaque_functions
+from .functions import functions_note, opaque_functions
 
 __all__ = ["export_capture"]
 
@@ -161,6 +161,9 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
                 return None  # a non-tensor argument is baked into the graph
         return flat
 
+    note = functions_note(gm)
+    if note:
+        notes.append(note)
     return Captured(gm, "export", {}, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
 

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["opaque_functions", "is_opaque_function"]
+__all__ = ["opaque_functions", "is_opaque_function", "functions_note"]
 
 NAMESPACE = "ckptopt_fn"
 _ORIGINAL_APPLY = torch.autograd.function.Function.apply.__func__
@@ -45,6 +45,24 @@ _lock = threading.Lock()
 def is_opaque_function(target: Any) -> bool:
     """Whether an fx node target is one of these ops (its randomness cannot be seen: treat it as random)."""
     return getattr(target, "namespace", None) == NAMESPACE or getattr(target, "_ckptopt_function", None) is not None
+
+
+def functions_note(gm: Any) -> str | None:
+    """A line for ``explain()`` naming the custom autograd Functions the graph keeps whole, or None."""
+    names = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and is_opaque_function(n.target):
+            cls = getattr(n.target, "_ckptopt_function", None)
+            if cls is None:
+                call = next((c for c in _calls.values() if c.name == str(n.target).split(".")[1]), None)
+                cls = call.cls if call is not None else None
+            name = cls.__qualname__ if cls is not None else str(n.target)
+            if name not in names:
+                names.append(name)
+    if not names:
+        return None
+    return (f"custom autograd Functions kept whole (their own backward runs; what they save is priced): "
+            f"{', '.join(names)}")
 
 
 _fx_targets: dict[type, Any] = {}

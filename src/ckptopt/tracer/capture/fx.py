@@ -17,7 +17,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...torch_utils import Inputs
 from .base import Captured
-from .functions import opaque_functions
+from .functions import functions_note, opaque_functions
 
 __all__ = ["fx_capture"]
 
@@ -103,8 +103,9 @@ def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | ty
             ) from exc
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        note = functions_note(gm)
         return Captured(gm, "fx", opaque, lambda call: _bind(placeholders, call), lambda out: out, dynamic=True,
-                        training=model.training)
+                        training=model.training, notes=[note] if note else [])
     assert last is not None
     raise TraceError(
         f"torch.fx cannot trace submodule {last.qualname!r} even as an opaque layer: {_construct(last.cause)}. "
