@@ -422,6 +422,11 @@ def _lengths(text: str) -> list[int]:
     return out
 
 
+def _planning_kwargs(args: argparse.Namespace) -> dict:
+    return dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
+                headroom=_headroom(args))
+
+
 def cmd_max_batch_sweep(args: argparse.Namespace) -> int:
     """``max-batch --seq-sweep L1,L2,...``: the largest batch at each sequence length (one model built and
     traced per length, on the meta device)."""
@@ -434,8 +439,7 @@ def cmd_max_batch_sweep(args: argparse.Namespace) -> int:
     for length in _lengths(args.seq_sweep):
         args.input_size = length
         model, inputs = _load(args, meta=True)
-        mb = max_batch(model, inputs, memory, calibrate=args.calibrate, optimizer=args.optimizer, device=args.device,
-                       leaf_modules=args.leaf, capture=args.capture, headroom=_headroom(args))
+        mb = max_batch(model, inputs, memory, calibrate=args.calibrate, **_planning_kwargs(args))
         rows.append((length, mb))
     if args.json:
         json.dump(dict(model=args.model, dtype=args.dtype, device=args.device,
@@ -467,8 +471,7 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     if args.target_batch is not None and args.target_batch < 1:
         raise ValueError(f"--target-batch must be a positive integer, got {args.target_batch}")
     model, inputs = _load(args, meta=True)
-    kw = dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
-              headroom=_headroom(args))
+    kw = _planning_kwargs(args)
     mb = max_batch(model, inputs, memory, calibrate=args.calibrate, **kw)
     memory = mb.memory_bytes
     plan = plan_training(model, inputs, args.target_batch, memory, **kw) if args.target_batch else None

@@ -81,9 +81,8 @@ def _unwritten(gm: fx.GraphModule, values: dict[fx.Node, Any], static: set[fx.No
     what the model computes, where it computes it, and so does everything computed from it."""
     from .cuts import _mutated
 
-    written = [values[a] for n in gm.graph.nodes if n not in static and n.op in ("call_function", "call_method",
-                                                                               "call_module")
-               for a in _mutated(gm, n) if a in static and tensor_leaves(values.get(a))]
+    ops = [n for n in gm.graph.nodes if n not in static and n.op in ("call_function", "call_method", "call_module")]
+    written = [values[a] for n in ops for a in _mutated(gm, n) if a in static and tensor_leaves(values.get(a))]
     if not written:
         return static
     out: set[fx.Node] = set()
@@ -92,8 +91,8 @@ def _unwritten(gm: fx.GraphModule, values: dict[fx.Node, Any], static: set[fx.No
             continue
         if n.op in ("placeholder", "get_attr"):
             out.add(n)  # an input or buffer written in place: the writer is the model's own update
-        elif all(a in out for a in n.all_input_nodes if a in static) and all(a in static for a in n.all_input_nodes) \
-                and not any(_aliases(v, w) for v in tensor_leaves(values.get(n)) for w in written):
+        elif all(a in out for a in n.all_input_nodes) and not any(
+                _aliases(v, w) for v in tensor_leaves(values.get(n)) for w in written):
             out.add(n)
     return out
 

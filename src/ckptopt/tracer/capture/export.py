@@ -58,9 +58,10 @@ __all__ = ["export_capture"]
 
 
 def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc: BaseException,
-                              notes: list[str]) -> Any:
+                              notes: list[str]) -> tuple[Any, str]:
     """``torch.export`` through branches on values the example inputs alone determine (DeBERTa's
-    ``if label_index.size(0) > 0``, ProphetNet's assert on the shifted labels), or None.
+    ``if label_index.size(0) > 0``, ProphetNet's assert on the shifted labels): ``(program, "")``, or
+    ``(None, why)`` (``why`` empty, or what to do about a branch on a random draw).
 
     Export runs once more with real-tensor propagation (its ``draft_export`` mode): each such branch
     is taken as the example takes it and kept in the graph as a runtime assertion, so a batch that
@@ -77,14 +78,14 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
 
     if data_dependent_construct(exc) is None or any(
             t.is_meta for t in (*model.parameters(), *inputs.tensors())):
-        return None
+        return None, ""
     import torch._functorch.config as functorch_config
 
     try:
         with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
             ep = export(target, tuple(inputs.args), kwargs=dict(inputs.kwargs), strict=False)
     except Exception:  # noqa: BLE001 - the first error is the one to report
-        return None
+        return None, ""
     gm = ep.module(check_guards=False)
     params = {name for name, _ in gm.named_parameters()} | {name for name, _ in gm.named_buffers()}
     asserts = [n for n in gm.graph.nodes if n.op == "call_function" and "_assert_scalar" in str(n.target)]
@@ -96,19 +97,18 @@ def _export_with_input_values(target: Any, model: nn.Module, inputs: Inputs, exc
                 continue
             seen.add(n)
             if is_random(gm, n):
-                notes.append(_RANDOM_BRANCH)
-                return None
+                return None, _RANDOM_BRANCH
             if n.op == "get_attr" and n.target in params:
-                return None  # an assumption on an activation or on state (a counter)
+                return None, ""  # an assumption on an activation or on state (a counter)
             value = n.meta.get("val") if n.op == "placeholder" else None
             if isinstance(value, torch.Tensor) and value.is_floating_point():
-                return None  # on float data (a branch on `x.sum() > 0` flips from batch to batch)
+                return None, ""  # on float data (a branch on `x.sum() > 0` flips from batch to batch)
             stack.extend(n.all_input_nodes)
     if asserts:
         notes.append(f"captured with the example batch's values for {len(asserts)} data-dependent branch"
                      f"{'es' if len(asserts) > 1 else ''} on the inputs (torch.export with real tensors); "
                      "a batch that takes another branch stops with 'Runtime assertion failed'")
-    return ep
+    return ep, ""
 
 
 _RANDOM_BRANCH = ("the branch depends on a random draw (LayerDrop's `if torch.rand([]) < layerdrop`: which "
@@ -174,45 +174,65 @@ def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str
     The model is first exported as it runs eagerly (:func:`_eager_flags`). When that stops on a
     data-dependent construct the model skips under ``torch.export`` (its own
     ``if not is_torchdynamo_compiling()`` checks), or succeeds with a graph that reads a tensor's
-    value (``.item()``, Longformer's global-attention count, which the compiled path does not
-    read), it is exported as torch.export presents itself; the eager graph is kept if that fails."""
+    value (``.item()``, which the compiled path may not read), it is exported as torch.export presents
+    itself; the eager graph is kept if that fails."""
+    devices = {t.device.type for t in (*model.parameters(), *inputs.tensors()) if not t.is_meta}
+    device = devices.pop() if len(devices) == 1 else "meta"  # (meta: no override)
+    held = None
+    try:
+        held = _export_once(target, inputs, device, eager=True)
+        if not _reads_values(held[0]):
+            return _shapes_note(held, notes)
+    except Exception:  # noqa: BLE001 - exported again as torch.export presents itself
+        pass
+    try:
+        return _shapes_note(_export_once(target, inputs, device, eager=False), notes)
+    except _StaticFailed as failed:
+        exc = failed.__cause__
+        with device_meta_kernels(device):
+            ep, why = _export_with_input_values(target, model, inputs, exc, notes)
+        if ep is not None:
+            return _shapes_note((ep, False, failed.dynamic_error), notes)
+        if held is not None:
+            return _shapes_note(held, notes)
+        raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc)}"
+                         f"{'; ' + why if why else ''}", node=type(model).__name__) from exc
+
+
+class _StaticFailed(Exception):
+    """The export at the example's shapes failed too (``__cause__``); ``dynamic_error`` is the first
+    line of the dynamic-shapes failure."""
+
+    def __init__(self, dynamic_error: str):
+        super().__init__(dynamic_error)
+        self.dynamic_error = dynamic_error
+
+
+def _export_once(target: nn.Module, inputs: Inputs, device: str, eager: bool) -> tuple[Any, bool, str | None]:
+    """``(program, dynamic, why dynamic shapes failed)`` at one setting of the flags: with dynamic batch
+    and sequence dimensions, else at the example's shapes (raises :class:`_StaticFailed`). On the eager
+    path a data-dependent failure is raised as it is (the example's shapes would not help)."""
     from torch.export import export
 
     from ...torch_utils import data_dependent_construct
 
     args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
-    first, held = None, None
-    devices = {t.device.type for t in (*model.parameters(), *inputs.tensors()) if not t.is_meta}
-    device = devices.pop() if len(devices) == 1 else "meta"  # (meta: no override)
-    for eager in (True, False):
-        ep = None
-        with _eager_flags(eager), device_meta_kernels(device):
-            try:
-                ep, dynamic = export(target, args, kwargs=kwargs, strict=False,
-                                     dynamic_shapes=_dynamic_shapes(target, inputs)), True
-            except Exception as exc:  # noqa: BLE001 - retried at the example's shapes, reported if that fails too
-                if eager and data_dependent_construct(exc) is not None:
-                    continue
-                first = first or _first_line(exc)
-            if ep is None:
-                try:
-                    ep, dynamic = export(target, args, kwargs=kwargs, strict=False), False
-                except Exception as exc2:
-                    if eager:
-                        continue
-                    ep = _export_with_input_values(target, model, inputs, exc2, notes)
-                    if ep is None and held is not None:
-                        ep, dynamic = held
-                        break
-                    if ep is None:
-                        why = "; " + _RANDOM_BRANCH if _RANDOM_BRANCH in notes else ""
-                        raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
-                                         f"{_first_line(exc2)}{why}", node=type(model).__name__) from exc2
-                    dynamic = False
-        if eager and _reads_values(ep):
-            held = (ep, dynamic)
-            continue
-        break
+    with _eager_flags(eager), device_meta_kernels(device):
+        try:
+            return export(target, args, kwargs=kwargs, strict=False,
+                          dynamic_shapes=_dynamic_shapes(target, inputs)), True, None
+        except Exception as exc:  # noqa: BLE001 - retried at the example's shapes
+            if eager and data_dependent_construct(exc) is not None:
+                raise
+            first = _first_line(exc)
+        try:
+            return export(target, args, kwargs=kwargs, strict=False), False, first
+        except Exception as exc2:
+            raise _StaticFailed(first) from exc2
+
+
+def _shapes_note(exported: tuple[Any, bool, str | None], notes: list[str]) -> tuple[Any, bool]:
+    ep, dynamic, first = exported
     if not dynamic:
         notes.append(f"exported at the example's shapes only (dynamic shapes failed: {first}); "
                      "other shapes run the original forward")

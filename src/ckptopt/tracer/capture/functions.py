@@ -31,12 +31,15 @@ from typing import Any, Iterator
 
 import torch
 
+from ...torch_utils import storage_identity
+
 __all__ = ["opaque_functions", "is_opaque_function", "functions_note"]
 
 NAMESPACE = "ckptopt_fn"
 _ORIGINAL_APPLY = torch.autograd.function.Function.apply.__func__
 _lib: torch.library.Library | None = None
 _calls: dict[Any, "_Call"] = {}
+_classes: dict[str, type] = {}  # op name -> the Function class it applies
 _count = itertools.count()
 _state = threading.local()
 _lock = threading.Lock()
@@ -52,10 +55,7 @@ def functions_note(gm: Any) -> str | None:
     names = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and is_opaque_function(n.target):
-            cls = getattr(n.target, "_ckptopt_function", None)
-            if cls is None:
-                call = next((c for c in _calls.values() if c.name == str(n.target).split(".")[1]), None)
-                cls = call.cls if call is not None else None
+            cls = getattr(n.target, "_ckptopt_function", None) or _classes.get(n.target._opname)
             name = cls.__qualname__ if cls is not None else str(n.target)
             if name not in names:
                 names.append(name)
@@ -126,8 +126,8 @@ class _Call:
         """Shapes from the Function's forward on fake tensors; outputs are fresh (an op's outputs alias nothing)."""
         with torch.no_grad():
             outs = self.run(tensors)
-        ids = {id(t) for t in tensors} | {t.untyped_storage()._cdata for t in tensors}
-        return [o.clone() if id(o) in ids or o.untyped_storage()._cdata in ids else o for o in outs]
+        given = {storage_identity(t) for t in tensors}
+        return [o.clone() if storage_identity(o) in given else o for o in outs]
 
 
 def _library() -> torch.library.Library:
@@ -173,6 +173,7 @@ def _op_for(cls: type, args: tuple) -> tuple[_Call, Any] | None:
             lib.impl(name, call.run, "Autograd")
             torch.library.register_fake(f"{NAMESPACE}::{name}", call.fake, lib=lib)
             _calls[key] = call
+            _classes[name] = cls
     return call, getattr(getattr(torch.ops, NAMESPACE), call.name).default
 
 
