@@ -390,22 +390,24 @@ def test_a_branch_on_the_labels_is_taken_as_the_example_takes_it():
 class _LayerDrop(nn.Module):
     """Skips each layer with probability 0.1 in training (M2M100, NLLB-MoE, SeamlessM4T)."""
 
-    def __init__(self):
+    def __init__(self, on_device: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.on_device = on_device  # torch.rand(device=x.device): torch.fx then fails on the branch itself
 
     def forward(self, x):
         for layer in self.layers:
-            if torch.rand([]) < 0.1:
+            if (torch.rand([], device=x.device) if self.on_device else torch.rand([])) < 0.1:
                 continue
             x = torch.tanh(layer(x))
         return x.sum()
 
 
-@pytest.mark.parametrize("capture", ["auto", "export"])
-def test_a_branch_on_a_random_draw_names_the_fix(capture):
+@pytest.mark.parametrize("capture, on_device", [("auto", False), ("export", False), ("auto", True)],
+                         ids=["fx-bakes-it", "export", "both-front-ends-fail"])
+def test_a_branch_on_a_random_draw_names_the_fix(capture, on_device):
     """Which layers run changes every step: one graph cannot hold that. torch.fx would bake the
     example's draw into the graph (it runs `torch.rand` for real), torch.export stops on it; both
     errors say it is a random draw and how to turn it off."""
     with pytest.raises(TraceError, match=r"(random draw|baked).*layerdrop=0"):
-        optimize_checkpoints(_LayerDrop(), (X,), capture=capture)
+        optimize_checkpoints(_LayerDrop(on_device), (X,), capture=capture)

@@ -111,8 +111,8 @@ def _both_failed(model: nn.Module, fx_exc: TraceError, ex_exc: TraceError) -> st
         line = source_line(ex_exc.__cause__ or ex_exc) or source_line(fx_exc.__cause__ or fx_exc)
         return (f"ckptopt cannot capture {name}: its forward runs {construct}"
                 f"{' at ' + line if line else ''}, which neither front end can follow "
-                f"(torch.fx: {fx_why}; torch.export: {ex_why.split(' (unhinted')[0]}). What to do: {REWRITE_HINT}, or "
-                f"{own_checkpointing_hint(model)}.")
+                f"(torch.fx: {fx_why}; torch.export: {ex_why.split(' (unhinted')[0]}). What to do: "
+                f"{getattr(ex_exc, 'fix', '') or REWRITE_HINT}, or {own_checkpointing_hint(model)}.")
     return (f"ckptopt cannot capture {name}. torch.export: {ex_why}. torch.fx: {fx_why}. What to do: make the "
             "forward exportable (tensors and plain Python values in, no data-dependent control flow; "
             "capture='export'), or pass leaf_modules=[...] naming the submodules FX cannot trace (capture='fx'), "

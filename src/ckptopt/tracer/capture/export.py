@@ -195,8 +195,10 @@ def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str
             return _shapes_note((ep, False, failed.dynamic_error), notes)
         if held is not None:
             return _shapes_note(held, notes)
-        raise TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc)}"
-                         f"{'; ' + why if why else ''}", node=type(model).__name__) from exc
+        error = TraceError(f"torch.export cannot capture {type(model).__name__}: {_first_line(exc)}"
+                           f"{'; ' + why if why else ''}", node=type(model).__name__)
+        error.fix = why  # what to do, for the message when both front ends fail
+        raise error from exc
 
 
 class _StaticFailed(Exception):
