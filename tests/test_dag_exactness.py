@@ -61,6 +61,22 @@ class UNetish(nn.Module):
         return self.post(y)
 
 
+class CatOfCats(nn.Module):
+    """Embeddings concatenated in two steps (RoCBert's): the first concatenation's input gradients
+    are views of the second's output gradient, one storage held until the first embedding's backward."""
+
+    def __init__(self, v=128, d=8):
+        super().__init__()
+        self.e = nn.ModuleList([nn.Embedding(v, d) for _ in range(3)])
+        self.proj = nn.Linear(3 * d, d)
+        self.head = nn.Sequential(nn.Tanh(), nn.Linear(d, 4))
+
+    def forward(self, ids):
+        a = self.e[0](ids).clone()
+        c = torch.cat([a, self.e[1](ids)], -1)
+        return self.head(self.proj(torch.cat([c, self.e[2](ids)], -1)).mean(1))
+
+
 def tanh_chain():
     return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)], nn.Linear(16, 4))
 
@@ -74,6 +90,7 @@ CASES = {
     "densenet-like": lambda: (DenseNetish(), (torch.randn(2, 3, 8, 8),)),
     "unet-like": lambda: (UNetish(), (torch.randn(2, 3, 8, 8),)),
     "tanh-chain": lambda: (tanh_chain(), (torch.randn(8, 16),)),
+    "cat-of-cats": lambda: (CatOfCats(), (torch.randint(0, 128, (2, 8)),)),
     "gpt": gpt_tiny,
 }
 

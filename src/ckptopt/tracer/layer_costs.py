@@ -88,7 +88,8 @@ class _FreshInput(torch.autograd.Function):
         # concatenation's backward hands out slices of it) keeps all of that storage alive
         s = grad.untyped_storage()
         main = ctx.record.get("out_of", ctx.record)  # (a side input's record points to the chain input's)
-        out = main.get("out")
+        # (no chain output: the output gradient is its one side output's, when it has one)
+        out = main.get("out") or main.get("only_side_out", {}).get("out")
         ctx.record["in_bytes"] = s.nbytes()
         ctx.record["in_is_out"] = out is not None and out() is s
         # input gradients that are views of one storage (a concatenation's slices of it)
@@ -543,6 +544,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         if rec is not record:
                             side_injects.append(rec)
                         roots.append(InjectGrad.apply(outs_all[k], rec))  # (no loop variable keeps an output)
+                    if y is None and len(side_injects) == 1 and len(outs_all) == 1:
+                        record["only_side_out"] = side_injects[0]
                     if grads_exist:
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
                     # created last, so run first: the gradient a later layer already made (only

@@ -140,8 +140,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout))
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 forward_flops(loss_layer, [y])))
-        grad_store, grad_root = _grad_storages(layers)
-        side = found.side_tensors(streams, values, grad_store, grad_root)
+        grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
         # second pass: a layer whose outputs' gradients are one storage (an addition or a
         # concatenation after it hands each a view of the same gradient) is measured again with
         # that storage shared, so that its figures count it once
@@ -154,8 +153,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
         if again:
-            grad_store, grad_root = _grad_storages(layers)
-            side = found.side_tensors(streams, values, grad_store, grad_root)
+            grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
     return layers, side, grad_store, grad_root, param_owner
 
 
@@ -331,15 +329,44 @@ def hoisted_side_tensors(hoisted: list[fx.Node], layers: list[Layer], values: di
     return out, still
 
 
-def _grad_storages(layers: list[Layer]) -> tuple[list[int], list[int]]:
+def _storages_and_sides(layers: list[Layer], streams: Streams, values: dict,
+                        found: "_Found") -> tuple[list[int], list[int], list[SideTensor]]:
+    """``(grad_store, grad_root, side)``: :func:`_grad_storages` and the side tensors, with views of
+    views followed to the storage they share. A layer whose only output is a side tensor (no chain
+    tensor leaves it) has that tensor's gradient as its output gradient: when that gradient is a
+    view of a later layer's output gradient (a concatenation's slice), so are the views this
+    layer's backward hands out (a concatenation of concatenations: RoCBert's embeddings), and the
+    storage is the later one's, counted once and held until the last view goes. (A side tensor
+    several consumers add to has a storage of its own by then: the sum.)"""
+    via: dict[int, int] = {}
+    for _ in range(len(layers) + 1):
+        grad_store, grad_root = _grad_storages(layers, via)
+        side = found.side_tensors(streams, values, grad_store, grad_root)
+        nxt = {}
+        for j, io in enumerate(streams.io):
+            if io.main_out is None and len(io.side_out) == 1 and j < len(layers):
+                t = side[io.side_out[0]]
+                if t.grad_view > j and t.grad_bytes and t.grad_split == j:  # (still a view at j: no sum)
+                    nxt[j] = t.grad_view
+        if nxt == via:
+            return grad_store, grad_root, side
+        via = nxt
+    raise AssertionError("gradient storages did not settle")  # (each round only moves roots later)
+
+
+def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
     """Per layer, the bytes of the storage its output gradient lives in and the layer whose output
     gradient that storage is: a view of a larger tensor when the next layer's backward hands out a
-    slice (a concatenation's), kept whole while the layer runs."""
+    slice (a concatenation's), kept whole while the layer runs. ``via`` maps a layer whose output
+    gradient is a view of a later layer's (through a side tensor) to that later layer."""
     grad_store = [l.costs.a if l.costs.ga is None else l.costs.ga for l in layers]
     grad_root = list(range(len(layers)))
-    for i in range(len(layers) - 1, 0, -1):
+    for i in range(len(layers) - 1, -1, -1):
+        if via and i in via:
+            grad_store[i] = max(grad_store[i], grad_store[via[i]])
+            grad_root[i] = grad_root[via[i]]
         m = layers[i].costs
-        if not layers[i].input_node or layers[i - 1].costs.a == 0:
+        if i == 0 or not layers[i].input_node or layers[i - 1].costs.a == 0:
             continue
         if m.gin_is_out:
             grad_store[i - 1] = max(grad_store[i - 1], grad_store[i])
