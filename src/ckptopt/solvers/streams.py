@@ -70,13 +70,16 @@ def _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark):
 
 
 @njit(cache=True)
-def dp_side(n, K, SD, off, allow_stored, fadd, radd, badd, mark):
+def dp_side(n, K, SD, off, allow_stored, max_work, fadd, radd, badd, mark):
     """Lowest peak (without static) and its plan: ``(value, starts_after_0, stored_starts)``.
 
     ``allow_stored``: segments other than the last may be left unwrapped (rotor's
     forward-all); otherwise every segment but the last is checkpointed (``dp``'s plan space).
+    ``max_work`` (0: none): give up, returning value ``NEG``, once the segments scored add up to more
+    than this many layers (each costs about its length).
     """
     total = off[n + 1]
+    work = 0
     V = np.full(total, BIG, dtype=np.int64)
     choice_r = np.full(total, -1, dtype=np.int64)
     choice_k = np.zeros(total, dtype=np.int64)
@@ -97,6 +100,9 @@ def dp_side(n, K, SD, off, allow_stored, fadd, radd, badd, mark):
                         floor = fl
                     if floor > best:  # no longer segment can do better (ties: kept, the longer wins)
                         break
+                    work += r - l + 1
+                    if max_work > 0 and work > max_work:
+                        return np.int64(NEG), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
                     for kind in range(3):
                         if (kind == 2) != (r == n - 1):
                             continue
@@ -346,8 +352,17 @@ def _context(costs):
 def lowest_peak(costs, allow_stored: bool = False) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """``(peak without static, checkpoints, stored)`` of the lowest-peak plan (exact)."""
     SD, off, scratch = _context(costs)
-    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, bool(allow_stored), *scratch)
+    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, bool(allow_stored), 0, *scratch)
     return int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored)
+
+
+def solves_within(costs, max_work: int) -> bool:
+    """Whether :func:`lowest_peak` finishes within ``max_work`` (segment layers scored): the
+    side-tensor program is O(n^3 2^k) when nothing prunes (a peak in the loss), far less when
+    the saved-bytes bound does, which only the costs tell."""
+    SD, off, scratch = _context(costs)
+    value, _, _ = dp_side(costs.n, costs.kernel_arrays, SD, off, False, int(max_work), *scratch)
+    return int(value) != NEG
 
 
 def front(costs, cap: int, allow_stored: bool, max_work: int):

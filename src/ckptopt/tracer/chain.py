@@ -33,6 +33,8 @@ from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_in
                            tensor_leaves)
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
+from ..solvers.limits import SIDE_AUTO_MAX_WORK
+from ..solvers.streams import solves_within
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
 from .streams import layer_streams, merge_aliased, merge_outputless
@@ -258,79 +260,94 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         groups = merge_outputless(groups, static, values, out_node)
         return groups, hoisted
 
+    param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
+    buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
+    input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
+
+    def _build_costs(groups, hoisted):
+        """(layers, costs) of one grouping: the layers measured, the side tensors found."""
+        readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
+        streams = layer_streams(groups, static, values, out_node)
+
+        model_output = out_node.args[0]
+        single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
+
+        layers, side, grad_store, grad_root, param_owner = measure_layers(
+            fake_gm, fake_mode, groups, streams, readable, values, placeholders, captured, loss_fn, model_output,
+            single_output)
+        # gradient bytes of the parameters, charged to the last layer that uses them (tied weights once);
+        # a frozen parameter (a LoRA base weight) gets none
+        fake_params = {id(p): p for p in fake_gm.parameters() if p.requires_grad}
+        p_bytes = [0] * len(layers)
+        for pid, j in param_owner.items():
+            # (a parameter the loss does not reach gets no gradient: a head whose output is returned
+            # beside the loss, SigLIP's attention pooling under image classification)
+            p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params and (
+                trained is None or pid in trained) else 0
+        fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
+        kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
+        # hoisted values the layers read live as side tensors made before the first layer (held while a
+        # layer that saves them, or a checkpoint's frame, does: not for the whole step); the rest (read
+        # by the model's output) stay static
+        early, kept = hoisted_side_tensors(kept, layers, values, out_node,
+                                           fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers()))
+        side = list(side) + early
+        hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
+        fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
+        hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
+                         - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
+        # the prefix's own high point (ProphetNet builds 20 MB of relative-position buckets to keep a
+        # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
+        f0 = [l.costs.f for l in layers]
+        if hoisted and f0:
+            f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
+                        - sum(t.bytes for t in early))
+        costs = ChainCosts(
+            a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
+            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0,
+            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
+            bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
+            bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
+            g=grad_store,
+            dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
+            static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
+            names=[l.name for l in layers], c=[l.flops for l in layers], side=side,
+            groot=grad_root if side else None, gh=[l.costs.gh for l in layers] if side else None,
+            # each layer's backward peak before and after its last saved tensor goes (a checkpoint's frame,
+            # and the side tensors only it holds, go then)
+            fpre=[int(l.costs.frame_pre or 0) for l in layers] if side and all(
+                l.costs.frame_pre is not None for l in layers) else None,
+            fpost=[int(l.costs.frame_post or 0) for l in layers] if side and all(
+                l.costs.frame_pre is not None for l in layers) else None,
+        )
+        return layers, costs
+
     auto = max_crossing is None
     max_crossing = MAX_CROSSING if auto else max_crossing
     groups, hoisted = layer_groups(max_crossing)
     many = len(groups)
     while auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:
-        # too many layers for the side-tensor program to solve in seconds: fewer tensors per cut
+        # too many layers to measure and solve at this crossing: fewer tensors per cut
         # (8 -> 4 -> 2 -> 1; a T5 with LoRA on every linear layer: 416 layers at 8, 258 at 4 with the
         # same optimal peak, 39 at 2 with a 1.8x higher one)
         max_crossing //= 2
         groups, hoisted = layer_groups(max_crossing)
+    why = f"the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the tracer measures at that crossing"
+    while True:
+        layers, costs = _build_costs(groups, hoisted)
+        # the exact side-tensor program is fast when its saved-bytes bound prunes and O(n^3 2^k) when
+        # nothing does (a peak in the loss): which one, only the costs tell; a trial run says
+        if not (auto and max_crossing > 1 and costs.side and not solves_within(costs, SIDE_AUTO_MAX_WORK)):
+            break
+        why = (f"the exact side-tensor program over its {costs.n} layers at {max_crossing} would not finish "
+               f"in seconds (more than {SIDE_AUTO_MAX_WORK:,} segment layers to score)")
+        max_crossing //= 2
+        groups, hoisted = layer_groups(max_crossing)
     if max_crossing < MAX_CROSSING and auto:
         note = (f"cuts crossed by at most {max_crossing} tensor{'s' if max_crossing > 1 else ''}: with up to "
-                f"{MAX_CROSSING} the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the exact side-tensor "
-                f"program solves in seconds (trace(max_crossing={MAX_CROSSING}) forces them)")
+                f"{MAX_CROSSING} {why} (trace(max_crossing={MAX_CROSSING}) forces them)")
         if note not in captured.notes:
             captured.notes.append(note)
-    readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
-    streams = layer_streams(groups, static, values, out_node)
-
-    model_output = out_node.args[0]
-    single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
-
-    layers, side, grad_store, grad_root, param_owner = measure_layers(
-        fake_gm, fake_mode, groups, streams, readable, values, placeholders, captured, loss_fn, model_output,
-        single_output)
-    # gradient bytes of the parameters, charged to the last layer that uses them (tied weights once);
-    # a frozen parameter (a LoRA base weight) gets none
-    fake_params = {id(p): p for p in fake_gm.parameters() if p.requires_grad}
-    p_bytes = [0] * len(layers)
-    for pid, j in param_owner.items():
-        # (a parameter the loss does not reach gets no gradient: a head whose output is returned
-        # beside the loss, SigLIP's attention pooling under image classification)
-        p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params and (
-            trained is None or pid in trained) else 0
-    param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
-    buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
-    input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
-    fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
-    kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
-    # hoisted values the layers read live as side tensors made before the first layer (held while a
-    # layer that saves them, or a checkpoint's frame, does: not for the whole step); the rest (read
-    # by the model's output) stay static
-    early, kept = hoisted_side_tensors(kept, layers, values, out_node,
-                                       fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers()))
-    side = list(side) + early
-    hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
-    fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
-    hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
-                     - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
-    # the prefix's own high point (ProphetNet builds 20 MB of relative-position buckets to keep a
-    # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
-    f0 = [l.costs.f for l in layers]
-    if hoisted and f0:
-        f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
-                    - sum(t.bytes for t in early))
-    costs = ChainCosts(
-        a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
-        sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0,
-        b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
-        bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
-        bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
-        g=grad_store,
-        dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
-        static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
-        names=[l.name for l in layers], c=[l.flops for l in layers], side=side,
-        groot=grad_root if side else None, gh=[l.costs.gh for l in layers] if side else None,
-        # each layer's backward peak before and after its last saved tensor goes (a checkpoint's frame,
-        # and the side tensors only it holds, go then)
-        fpre=[int(l.costs.frame_pre or 0) for l in layers] if side and all(
-            l.costs.frame_pre is not None for l in layers) else None,
-        fpost=[int(l.costs.frame_post or 0) for l in layers] if side and all(
-            l.costs.frame_pre is not None for l in layers) else None,
-    )
     graph = _nx_graph(gm, values, fake_gm)
     constants = {n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)}
     read = {name for l in layers for name in (l.input_node, *l.static_inputs, *l.side_inputs)}
