@@ -290,6 +290,25 @@ def test_default_crosses_fewer_tensors_above_the_side_program_limit(monkeypatch)
     assert trace(model, x, max_crossing=8).n == several.n  # asked for: kept
 
 
+def test_default_crosses_fewer_tensors_when_the_side_program_would_be_slow(monkeypatch):
+    """Within the layer limit, trace's default keeps the crossing whose costs the exact side-tensor
+    program solves within its work limit (a trial run), and says why it narrowed."""
+    import ckptopt.tracer.chain as chain
+    from ckptopt import zoo
+    from ckptopt.solvers.streams import solves_within
+
+    model, x = zoo.get("unet", batch_size=1, input_size=32, base=4)
+    several = trace(model, x)
+    assert several.max_crossing == 8 and solves_within(several.costs, chain.SIDE_AUTO_MAX_WORK)
+    assert not solves_within(several.costs, several.n)  # (scoring every layer once is not enough)
+    monkeypatch.setattr(chain, "SIDE_AUTO_MAX_WORK", several.n)
+    fewer = trace(model, x)
+    assert fewer.max_crossing < 8
+    assert not fewer.costs.side or solves_within(fewer.costs, several.n)
+    assert any("would not finish in seconds" in note for note in fewer.capture.notes)
+    assert trace(model, x, max_crossing=8).n == several.n  # asked for: kept
+
+
 # --------------------------------------------------------------------------
 # shadows: the values the inputs alone determine, read by ops of data-dependent shape
 # --------------------------------------------------------------------------
