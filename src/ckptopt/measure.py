@@ -15,6 +15,7 @@ tensor storages; kernel scratch memory is invisible), on CUDA from
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -32,7 +33,7 @@ from .tracer import TracedModel, trace
 from .tracker import StorageTracker
 
 __all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake",
-           "measure_training_step", "make_optimizer"]
+           "measure_training_step", "measure_rank_step", "make_optimizer"]
 
 
 @dataclass(frozen=True)
@@ -396,3 +397,94 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
             return tracker.peak_bytes
         finally:
             tracker.detach()
+
+
+@contextmanager
+def _fsdp_storage_events(tracker: StorageTracker):
+    """FSDP2 frees and re-allocates gathered parameters by resizing their storages
+    (``untyped_storage().resize_``), which no operator reports: tell the tracker."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def tracked_alloc(t):
+        alloc(t)
+        tracker.resized(t)
+
+    def tracked_free(t):
+        free(t)
+        tracker.resized(t)
+
+    _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = tracked_alloc
+    _fsdp_param.free_storage = tracked_free
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage = _fsdp_param_group.alloc_storage = alloc
+        _fsdp_param.free_storage = free
+
+
+def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str = "sgd", checkpoints=None,
+                      stored=(), loss_fn=None, blocks=None, mesh=None, impl: str = "for-loop") -> int:
+    """Measured peak of one steady-state training step of this rank under DDP or FSDP2 (CPU).
+
+    The process group must be initialized (gloo, or the fake backend of
+    ``torch.testing._internal.distributed.fake_pg``, whose collectives move no data:
+    the memory is the same). ``model`` is wrapped as :class:`ckptopt.planning.Parallel`
+    says (DDP; or ``fully_shard`` on each block, ``blocks`` default
+    :func:`ckptopt.planning.units.repeated_blocks`, then on the model), rewritten first
+    with ``checkpoints`` if given (the blocks kept whole: FSDP2 gathers a block when it is
+    called). One step runs first (FSDP2's lazy setup, DDP's bucket rebuild), then
+    ``optimizer``'s state is made and one step is measured under the exact tracker
+    (forward, loss, backward, optimizer step, ``zero_grad``). The model trains: its
+    parameters change and it stays wrapped.
+    """
+    from .planning.units import repeated_blocks
+
+    inputs = normalize_inputs(example_inputs)
+    blocks = repeated_blocks(model) if blocks is None else list(blocks)
+    module = model
+    if checkpoints is not None:
+        fsdp = parallel.strategy == "fsdp"
+        tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None, capture="fx" if fsdp else "auto")
+        module = apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
+    # everything runs under the tracker (from before the wrapping: DDP's buckets, FSDP2's shards)
+    tracker = StorageTracker()
+    tracker.register(model, inputs.tensors())
+    try:
+        with tracker, _fsdp_storage_events(tracker) if parallel.strategy == "fsdp" else nullcontext():
+            if parallel.strategy == "ddp":
+                from torch.nn.parallel import DistributedDataParallel
+
+                module = DistributedDataParallel(module, bucket_cap_mb=parallel.bucket_cap_mb,
+                                                 gradient_as_bucket_view=parallel.gradient_as_bucket_view)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                for path in blocks:
+                    fully_shard(model.get_submodule(path), mesh=mesh,
+                                reshard_after_forward=parallel.reshard_after_forward)
+                fully_shard(module, mesh=mesh)
+            params = [p for p in module.parameters() if p.requires_grad]
+            opt = make_optimizer(params, optimizer, impl)
+            for _ in range(2):  # lazy setup, DDP's bucket rebuild (at the second forward)
+                _train_step(module, inputs, loss_fn)
+                for p in params:
+                    p.grad = None
+            if opt is not None:  # the optimizer's state, on zero gradients
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            gc.collect()
+            tracker.reset_peak()
+            loss = _forward_loss(module, inputs, loss_fn)
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            del loss
+        return tracker.peak_bytes
+    finally:
+        tracker.detach()
+

@@ -35,16 +35,19 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .torch_utils import tensor_leaves
 
-__all__ = ["StorageTracker", "real_storage", "storage_key", "storage_bytes"]
+__all__ = ["StorageTracker", "real_storage", "inner_tensors", "storage_key", "storage_bytes"]
 
 
 def real_storage(t: torch.Tensor, allow_fake: bool = False) -> torch.UntypedStorage | None:
-    """The tensor's storage, or None for sparse tensors, empty storages and, unless
+    """The tensor's storage, or None for sparse tensors, empty storages, wrapper subclasses
+    (a DTensor: :func:`inner_tensors` gives the tensors that hold its memory) and, unless
     ``allow_fake``, meta/fake tensors (FakeTensor storages are on the meta device)."""
+    if is_traceable_wrapper_subclass(t):
+        return None
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
@@ -52,6 +55,19 @@ def real_storage(t: torch.Tensor, allow_fake: bool = False) -> torch.UntypedStor
     if storage.nbytes() == 0 or (storage.device.type == "meta" and not allow_fake):
         return None
     return storage
+
+
+def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold ``t``'s memory: ``t`` itself, or the inner tensors of a
+    wrapper subclass (a DTensor's local shard), recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # (a DTensor also names its device mesh)
+                yield from inner_tensors(inner)
+    else:
+        yield t
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
@@ -221,6 +237,27 @@ class StorageTracker:
             for t in tensors:
                 self._add_tensor(t)
 
+    def resized(self, t: torch.Tensor) -> None:
+        """Re-read the size of ``t``'s storage after a resize that no operator reported
+        (``untyped_storage().resize_``, as FSDP2 frees and re-allocates unsharded parameters):
+        a storage resized to 0 bytes counts 0 and gives up its address."""
+        for inner in inner_tensors(t):
+            storage = inner.untyped_storage()
+            with self._lock:
+                entry = self._entries.get(id(storage))
+                if entry is None:
+                    if storage.nbytes():
+                        self._add_tensor(inner)
+                    continue
+                if self._ptrs.get(entry[0]) == id(storage):
+                    del self._ptrs[entry[0]]
+                ptr, nbytes = (storage_key(storage), storage.nbytes()) if storage.nbytes() else (None, 0)
+                self.current_bytes += nbytes - entry[1]
+                entry[0], entry[1] = ptr, nbytes
+                if ptr is not None:
+                    self._ptrs.setdefault(ptr, id(storage))
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
     def reset_peak(self) -> None:
         """Set :attr:`peak_bytes` to :attr:`current_bytes`."""
         with self._lock:
@@ -278,6 +315,10 @@ class StorageTracker:
         self._op_index += 1
 
     def _add_tensor(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # a DTensor: count its local shard
+            for inner in inner_tensors(t):
+                self._add_tensor(inner)
+            return
         storage = real_storage(t, self.fake)
         if storage is None:
             return
@@ -307,6 +348,6 @@ class StorageTracker:
             entry = self._entries.pop(sid, None)
             if entry is None:
                 return
-            if self._ptrs.get(entry[0]) == sid:
+            if entry[0] is not None and self._ptrs.get(entry[0]) == sid:
                 del self._ptrs[entry[0]]
             self.current_bytes -= entry[1]

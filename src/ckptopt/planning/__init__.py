@@ -78,8 +78,11 @@ from .estimate import Breakdown, Estimate, PeakEstimate, estimate, peak_estimate
 from .headroom import (CUDA_DEFAULT_FRACTION, CUDA_DEFAULT_WORKSPACE, Headroom, default_headroom, device_budget,
                        device_free_memory, measure_allocator_overhead)
 from .optimizer import OPTIMIZERS, OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
+from .parallel import STRATEGIES, Parallel
 
 __all__ = [
+    "Parallel",
+    "STRATEGIES",
     "OPTIMIZERS",
     "OptimizerMemory",
     "optimizer_memory",

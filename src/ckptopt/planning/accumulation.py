@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from .batch import BatchCosts, memory_and_headroom, optimizer_for, peak_and_plan, search_batch
 from .estimate import plan_recompute_share, least_recompute_plan
 from .headroom import Headroom
-from .optimizer import OptimizerMemory, accumulating_costs, step_peak
+from .optimizer import OptimizerMemory
+from .parallel import Parallel
 
 __all__ = ["AccumulationOption", "TrainingPlan", "plan_training"]
 
@@ -70,19 +71,22 @@ class TrainingPlan:
 
 
 def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -> AccumulationOption:
-    grads = sum(bc.sizes)
-    costs = bc.costs(m)
+    rank = bc.rank(m)
     acc = k > 1
-    fb_costs = accumulating_costs(costs) if acc else costs
-    stp = step_peak(costs, grads, opt)
-    p_none, _ = peak_and_plan(costs, "none", opt, grads, acc)
-    p_opt, best = peak_and_plan(costs, "optimal", opt, grads, acc, final=True)
+    fb_costs = rank.solver_costs(acc)
+    stp = rank.step_peak(opt)
+    p_none, _ = peak_and_plan(rank, "none", opt, acc)
+    p_opt, best = peak_and_plan(rank, "optimal", opt, acc, final=True)
     chosen, peak, share, solver, stored = None, None, None, None, ()
     if stp <= memory:
         found = least_recompute_plan(fb_costs, memory - opt.state_bytes)
+        if found is not None and rank.fsdp is not None:  # scored by FSDP2's event-level peak
+            fb = rank.fb_peak(found.checkpoints, found.stored, acc).bytes
+            found = found if fb + opt.state_bytes <= memory else (best if p_opt <= memory else None)
         if found is not None:
             chosen, solver, stored = found.checkpoints, found.solver, found.stored
-            peak = max(found.peak_bytes + opt.state_bytes, stp)
+            fb = found.peak_bytes if rank.fsdp is None else rank.fb_peak(found.checkpoints, found.stored, acc).bytes
+            peak = max(fb + opt.state_bytes, stp)
             share = plan_recompute_share(fb_costs, chosen, stored)[1]
     return AccumulationOption(m, k, p_none, p_opt, best.checkpoints, p_none <= memory, p_opt <= memory,
                               chosen, peak, share, solver, best.stored, stored)
@@ -107,7 +111,8 @@ def _steps_range(target: int, m_first: int, m_last: int | None, limit: int) -> l
 
 def plan_training(model, example_inputs, target_batch: int, memory=None, optimizer: str = "adam",
                   impl: str | None = None, device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
-                  max_options: int = 8, headroom: Headroom | None = None) -> TrainingPlan:
+                  max_options: int = 8, headroom: Headroom | None = None,
+                  parallel: Parallel | None = None) -> TrainingPlan:
     """Micro-batch and accumulation steps that reach ``target_batch`` within ``memory``.
 
     For k accumulation steps the micro-batch is ``ceil(target_batch / k)`` (the
@@ -126,6 +131,8 @@ def plan_training(model, example_inputs, target_batch: int, memory=None, optimiz
     headroom : Headroom, optional
         Kept free below ``memory`` (see :func:`max_batch`): every option's peak fits in
         ``headroom.usable(memory)``.
+    parallel : Parallel, optional
+        One rank of a DDP or FSDP2 run: the batches are the rank's (see :func:`estimate`).
     max_options : int, default 8
         At most this many options between the two ends (the ends are always listed).
     optimizer, impl, device, loss_fn, leaf_modules, capture
@@ -144,7 +151,7 @@ def plan_training(model, example_inputs, target_batch: int, memory=None, optimiz
     """
     if isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1:
         raise ValueError(f"target_batch must be a positive integer, got {target_batch!r}")
-    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture, parallel=parallel)
     opt = optimizer_for(bc, optimizer, impl, device)
     total, hr, mem = memory_and_headroom(bc, memory, device, headroom)
     whole = _option(bc, target_batch, 1, mem, opt)

@@ -13,9 +13,11 @@ from ..tracer import trace
 from ..tracer.chain import trace_captured
 from ..tracer.meta import unmaterialized
 from ..units import parse_bytes
-from .estimate import batch_of, optimal_plan, plan_recompute_share, trainable_sizes
+from .estimate import _sharded, batch_of, optimal_plan, plan_recompute_share, sharded_leaves
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom, device_free_memory
-from .optimizer import OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
+from .optimizer import OptimizerMemory, optimizer_memory
+from .parallel import Parallel, RankCosts, rank_costs
+from .units import param_facts
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
 
@@ -147,22 +149,26 @@ class BatchCosts:
         How many times the fit was moved near an answer.
     """
 
-    def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16), capture="auto"):
+    def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16), capture="auto",
+                 parallel: Parallel | None = None):
         # a meta model is planned on fakes of its tensors on a real device (tracer/meta.py)
         self.model, self.inputs = unmaterialized(model, normalize_inputs(example_inputs))
         self.example_batch = batch_of(self.inputs)
         if self.example_batch is None:
             raise ValueError("the example inputs have no batch dimension (no tensor with a first dimension)")
-        self.loss_fn, self.leaf_modules, self.capture = loss_fn, leaf_modules, capture
+        self.loss_fn, self.capture = loss_fn, capture
+        self.leaf_modules = sharded_leaves(model, parallel, leaf_modules)
         self._captured = None
         self.traces = 0
         self.refits = 0
         self._traced: dict[int, Any] = {}
-        self.sizes = trainable_sizes(model)
+        self.parallel = parallel
         b1, b2, b3 = probe
         t1 = self.traced(b1)
         self.names = t1.costs.names
         self.param_bytes = t1.param_bytes
+        self.facts = param_facts(self.model, t1 if _sharded(parallel) else None)  # (the same layers at every batch)
+        self.sizes = rank_costs(t1.costs, self.facts, self.param_bytes, parallel).sizes
         self._fit = None
         self._fit_at(b1, b2)
         self.affine = self._fit is not None and self.interpolated(b3) == self.traced(b3).costs
@@ -232,6 +238,11 @@ class BatchCosts:
             return self.traced(batch).costs
         return self.interpolated(batch)
 
+    def rank(self, batch: int, trace: bool = False, costs: ChainCosts | None = None) -> RankCosts:
+        """One rank's step at local batch ``batch`` (:meth:`costs`, or ``costs`` given)."""
+        return rank_costs(self.costs(batch, trace) if costs is None else costs, self.facts, self.param_bytes,
+                          self.parallel)
+
 
 @dataclass(frozen=True)
 class BatchFit:
@@ -281,21 +292,22 @@ class MaxBatch:
                     no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
 
 
-def peak_and_plan(costs: ChainCosts, strategy: str, opt: OptimizerMemory, grads: int, accumulate: bool = False,
+def peak_and_plan(rank: RankCosts, strategy: str, opt: OptimizerMemory, accumulate: bool = False,
                   final: bool = False) -> tuple[int, Plan]:
-    """Predicted step peak and plan at this cost model; ``accumulate``: a micro-batch after the first.
+    """Predicted step peak of the rank and its plan; ``accumulate``: a micro-batch after the first.
 
     During a search only the optimal peak matters (the ``auto`` policy); ``final``
     picks the least-recompute plan among those reaching it (:func:`optimal_plan`).
     """
-    fb_costs = accumulating_costs(costs) if accumulate else costs
+    fb_costs = rank.solver_costs(accumulate)
     if strategy == "none":
         plan = solve(fb_costs, "none")
-    elif final:
-        plan = optimal_plan(fb_costs, opt, step_peak(costs, grads, opt))
+    elif final or rank.fsdp is not None:
+        plan = optimal_plan(rank, opt, accumulate)
     else:
         plan = solve(fb_costs, "auto")
-    return max(plan.peak_bytes + opt.state_bytes, step_peak(costs, grads, opt)), plan
+    fb = plan.peak_bytes if rank.fsdp is None else rank.fb_peak(plan.checkpoints, plan.stored, accumulate).bytes
+    return max(fb + opt.state_bytes, rank.step_peak(opt)), plan
 
 
 def largest_fitting(fits: Callable[[int], bool], cap: int = _BATCH_CAP) -> int:
@@ -321,10 +333,8 @@ def search_batch(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
     the fit is moved through the answer and the search repeated (``rounds``
     times at most), then every candidate is traced.
     """
-    grads = sum(bc.sizes)
-
     def peak(b: int, trace: bool = False) -> int:
-        return peak_and_plan(bc.costs(b, trace), strategy, opt, grads, accumulate)[0]
+        return peak_and_plan(bc.rank(b, trace), strategy, opt, accumulate)[0]
 
     def confirmed(b: int) -> bool:
         ok = b == 0 or peak(b, trace=True) <= memory
@@ -343,10 +353,9 @@ def search_batch(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
         verified = True
     if not best:
         return BatchFit(strategy, 0, None, peak(1, trace=True), (), 0.0, verified)
-    costs = bc.costs(best, trace=True)
-    p, plan = peak_and_plan(costs, strategy, opt, grads, accumulate, final=True)
-    fb_costs = accumulating_costs(costs) if accumulate else costs
-    share = plan_recompute_share(fb_costs, plan.checkpoints, plan.stored)[1]
+    rank = bc.rank(best, trace=True)
+    p, plan = peak_and_plan(rank, strategy, opt, accumulate, final=True)
+    share = plan_recompute_share(rank.solver_costs(accumulate), plan.checkpoints, plan.stored)[1]
     nxt = peak(best + 1, trace=True) if best < cap else None
     return BatchFit(strategy, best, p, nxt, plan.checkpoints, share, verified, plan.stored)
 
@@ -358,7 +367,8 @@ def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str 
 
 def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl: str | None = None,
               device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
-              headroom: Headroom | None = None, calibrate: bool | None = None) -> MaxBatch:
+              headroom: Headroom | None = None, calibrate: bool | None = None,
+              parallel: Parallel | None = None) -> MaxBatch:
     """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
 
     Parameters
@@ -377,6 +387,8 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
         reported peaks at most ``headroom.usable(memory)``.
     calibrate : bool, optional
         Confirm each answer on the device (see Notes). Default: on CUDA.
+    parallel : Parallel, optional
+        One rank of a DDP or FSDP2 run: the batch is the rank's local batch (see :func:`estimate`).
 
     Returns
     -------
@@ -394,7 +406,7 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     device at its batch size (:func:`ckptopt.calibration.calibrate`) and lowered
     until the measured scratch and workspace fit too (a few calibrations).
     """
-    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture)
+    bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture, parallel=parallel)
     opt = optimizer_for(bc, optimizer, impl, device)
     model_dev = str(next(bc.model.parameters()).device)
     dev = device or model_dev
@@ -416,15 +428,15 @@ def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMem
 
     if fit.batch == 0:
         return fit
-    grads = sum(bc.sizes)
     seen: dict[int, tuple[int, Plan, ChainCosts]] = {}
 
     def peak(b: int) -> int:
         if b not in seen:
             tm = bc.traced(b)
             costs = calibrate(bc.model, tm, with_batch(bc.inputs, b, bc.example_batch)).apply(tm.costs)
-            p, plan = peak_and_plan(costs, fit.strategy, opt, grads, final=True)
-            seen[b] = (p, plan, costs)
+            rank = bc.rank(b, costs=costs)
+            p, plan = peak_and_plan(rank, fit.strategy, opt, final=True)
+            seen[b] = (p, plan, rank.costs)
         return seen[b][0]
 
     lo, hi = 0, fit.batch + 1  # fits(lo) (0 trivially); not fits(hi): the traced peak is over already

@@ -18,7 +18,9 @@ from ..torch_utils import Inputs, distinct_storages, normalize_inputs, storage_n
 from ..tracer import trace
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
-from .optimizer import OptimizerMemory, optimizer_memory, step_peak
+from .optimizer import OptimizerMemory, optimizer_memory
+from .parallel import Parallel, RankCosts, rank_costs
+from .units import param_facts, repeated_blocks
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
            "least_recompute_plan", "trainable_sizes", "batch_of"]
@@ -32,7 +34,10 @@ class Breakdown:
     forward temporaries; in backward its new gradients (parameter and input)
     and temporaries; or the optimizer step's temporaries. ``gradients`` are the
     parameter gradients already stored. ``activations`` is the rest: tensors
-    saved for backward, checkpoints, the output gradient in flight.
+    saved for backward, checkpoints, the output gradient in flight. ``parallel``:
+    what a data-parallel wrapper holds besides (DDP's gradient buckets; FSDP2's
+    gathered parameters, prefetched and reduce-scatter buffers); ``parameters`` and
+    ``gradients`` are then the rank's (sharded under FSDP2).
     """
 
     parameters: int
@@ -41,11 +46,12 @@ class Breakdown:
     optimizer_state: int
     activations: int
     transient: int
+    parallel: int = 0
 
     @property
     def total(self) -> int:
         return (self.parameters + self.buffers_and_inputs + self.gradients + self.optimizer_state
-                + self.activations + self.transient)
+                + self.activations + self.transient + self.parallel)
 
 
 @dataclass(frozen=True)
@@ -118,61 +124,85 @@ def _fb_breakdown(costs: ChainCosts, cps: tuple[int, ...], sim: SimResult) -> tu
     return int(G[i]), int(costs.b[i])
 
 
-def peak_estimate(costs: ChainCosts, plan: Plan | tuple[int, ...], opt: OptimizerMemory, param_bytes: int,
-                  grad_bytes: int, label: str = "") -> PeakEstimate:
-    """Peak and breakdown of a training step under ``plan`` (see the module note).
+def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerMemory,
+                  label: str = "") -> PeakEstimate:
+    """Peak and breakdown of a training step of one rank under ``plan`` (see the module note).
 
     Parameters
     ----------
-    costs : ChainCosts
-        The traced cost model (static = parameters + buffers + inputs).
+    rank : RankCosts
+        The rank's step (:func:`ckptopt.planning.parallel.rank_costs`; one process: ``single_rank``).
     plan : Plan or tuple of int
         The plan (a tuple: segment-start layers, every segment but the last checkpointed).
     opt : OptimizerMemory
-    param_bytes, grad_bytes : int
-        Parameter bytes (in ``costs.static``) and gradient bytes of the trainable ones.
     """
+    costs = rank.costs
     cps, stored = (plan.checkpoints, plan.stored) if isinstance(plan, Plan) else (tuple(int(c) for c in plan), ())
-    sim = simulate(costs, cps, stored)
-    fb = sim.peak_bytes
-    stp = step_peak(costs, grad_bytes, opt)
+    at_peak = rank.fb_peak(cps, stored)
+    fb = at_peak.bytes
+    stp = rank.step_peak(opt)
     redo, share = plan_recompute_share(costs, cps, stored)
-    other_static = costs.static - param_bytes
+    other_static = rank.step_static - rank.param_bytes - rank.comm_bytes
     if fb + opt.state_bytes >= stp:
-        grads, transient = _fb_breakdown(costs, cps, sim)
-        acts = fb - costs.static - grads - transient
-        at, layer = sim.phase, sim.layer
+        if at_peak.sim is not None:
+            grads, transient = _fb_breakdown(costs, cps, at_peak.sim)
+            parallel = rank.comm_bytes
+        else:  # FSDP2: the gradients and buffers held then; the chain model's own transient is in the rest
+            grads, transient, parallel = at_peak.grads, 0, at_peak.buffers
+        acts = fb - rank.step_static - grads - transient - parallel + rank.comm_bytes
+        at, layer = at_peak.phase, at_peak.layer
     else:
-        grads, transient = grad_bytes, opt.step_transient_bytes
+        grads, transient, parallel = rank.grad_bytes, opt.step_transient_bytes, rank.comm_bytes
         acts = int(costs.a[-1])  # the loss scalar
         at, layer = "optimizer step", None
-    bd = Breakdown(param_bytes, other_static, grads, opt.state_bytes, acts, transient)
+    bd = Breakdown(rank.param_bytes, other_static, grads, opt.state_bytes, acts, transient, parallel)
     peak = max(fb + opt.state_bytes, stp)
     assert bd.total == peak, (bd, peak)
     name = costs.names[layer] if (layer is not None and costs.names is not None) else None
     return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share, stored)
 
 
-def optimal_plan(costs: ChainCosts, opt: OptimizerMemory, step_bytes: int) -> Plan:
-    """The plan with the lowest step peak and, among those, the least recomputation.
+def optimal_plan(rank: RankCosts, opt: OptimizerMemory, accumulate: bool = False) -> Plan:
+    """The plan with the lowest step peak of the rank and, among those, the least recomputation.
 
     The lowest forward+backward peak (the ``auto`` policy, as ``optimize_checkpoints``)
     plus the optimizer state may lie below the optimizer step's peak; then any plan up
     to that level gives the same step peak, and the one with the least recomputation
     (:func:`least_recompute_plan`) is returned, often no checkpointing at all.
 
+    Under FSDP2 the solvers see a per-layer form of its buffers that is exact for plans
+    whose checkpointed segments stay inside one block; the candidates (that plan, the same
+    with a cut at every block boundary, no checkpointing) are scored event by event and the
+    lowest kept (``docs/design.md`` §13).
+
     Parameters
     ----------
-    costs : ChainCosts
-        The forward+backward cost model (:func:`accumulating_costs` for micro-batches after the first).
+    rank : RankCosts
     opt : OptimizerMemory
-    step_bytes : int
-        The optimizer step's peak (:func:`step_peak` of the plain cost model).
+    accumulate : bool
+        A micro-batch after the first of a gradient-accumulation loop.
     """
+    costs = rank.solver_costs(accumulate)
     best = solve(costs, "auto")
-    target = max(best.peak_bytes + opt.state_bytes, step_bytes)
+    if rank.fsdp is not None:
+        return _fsdp_choice(rank, costs, best, accumulate)
+    target = max(best.peak_bytes + opt.state_bytes, rank.step_peak(opt))
     found = least_recompute_plan(costs, target - opt.state_bytes)
     return found if found is not None else best
+
+
+def _fsdp_choice(rank: RankCosts, costs: ChainCosts, best: Plan, accumulate: bool) -> Plan:
+    """The lowest of the FSDP2 candidates, by the event-level peak (ties: the least recomputation)."""
+    spans = rank.fsdp[0].spans
+    bounds = {s for s, _ in spans} | {e + 1 for _, e in spans}
+    confined = tuple(sorted(set(best.checkpoints) | {b for b in bounds if 0 < b < costs.n}))
+    scored = []
+    for cps, stored in {(best.checkpoints, best.stored), (confined, ()), ((), ())}:
+        stored = tuple(s for s in stored if s in cps)
+        peak = rank.fb_peak(cps, stored, accumulate).bytes
+        scored.append((peak, plan_recompute_share(costs, cps, stored)[0], cps, stored))
+    peak, _, cps, stored = min(scored)
+    return Plan(cps, peak, "auto (fsdp)", 0.0, costs.n, stored)
 
 
 def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
@@ -216,6 +246,7 @@ class Estimate:
     optimal: PeakEstimate
     headroom: Headroom = Headroom()
     calibrated: bool = False
+    parallel: Parallel | None = None
 
     def needed_bytes(self, pe: PeakEstimate) -> int:
         """The memory a device must have for the step of ``pe``: its peak plus the headroom."""
@@ -224,10 +255,23 @@ class Estimate:
     def to_dict(self) -> dict:
         return dict(batch_size=self.batch_size, n_layers=self.n_layers, optimizer=asdict(self.optimizer),
                     param_bytes=self.param_bytes, grad_bytes=self.grad_bytes, headroom=self.headroom.to_dict(),
-                    calibrated=self.calibrated, no_checkpointing=self.no_checkpointing.to_dict(),
+                    calibrated=self.calibrated, parallel=None if self.parallel is None else self.parallel.to_dict(),
+                    no_checkpointing=self.no_checkpointing.to_dict(),
                     optimal=self.optimal.to_dict(),
                     needed_bytes=dict(no_checkpointing=self.needed_bytes(self.no_checkpointing),
                                       optimal=self.needed_bytes(self.optimal)))
+
+
+def _sharded(parallel: Parallel | None) -> bool:
+    return parallel is not None and parallel.strategy == "fsdp"
+
+
+def sharded_leaves(model, parallel: Parallel | None, leaf_modules):
+    """Under FSDP2 the blocks stay whole in a torch.fx graph (``fully_shard`` gathers a block when it is
+    called, so a plan must keep the calls): the leaf modules default to the repeated blocks."""
+    if leaf_modules is None and _sharded(parallel):
+        return repeated_blocks(model) or None
+    return leaf_modules
 
 
 def trainable_sizes(model) -> list[int]:
@@ -243,7 +287,8 @@ def batch_of(inputs: Inputs) -> int | None:
 
 def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = None, device: str | None = None,
              loss_fn: Callable | None = None, leaf_modules=None, capture: str = "auto",
-             calibrate: bool | None = None, headroom: Headroom | None = None) -> Estimate:
+             calibrate: bool | None = None, headroom: Headroom | None = None,
+             parallel: Parallel | None = None) -> Estimate:
     """Predicted peak of one training step, optimizer step included, without and with the optimal plan.
 
     Parameters
@@ -268,6 +313,9 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     headroom : Headroom, optional
         What the caching allocator needs beyond the peak (:func:`default_headroom`:
         none on the CPU); ``Estimate.needed_bytes`` adds it.
+    parallel : Parallel, optional
+        One rank of a DDP or FSDP2 run (:class:`ckptopt.planning.Parallel`): ``example_inputs``
+        is then the rank's local batch, and the figures are one rank's (``docs/design.md`` §13).
 
     Returns
     -------
@@ -281,8 +329,8 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     depend on the plan.
     """
     inputs = normalize_inputs(example_inputs)
+    leaf_modules = sharded_leaves(model, parallel, leaf_modules)
     tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
-    sizes = trainable_sizes(model)
     model_dev = planned_on(model)
     dev = device or model_dev
     calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
@@ -292,9 +340,10 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
 
         tm = dataclasses.replace(tm, costs=run_calibration(model, tm, inputs).apply(tm.costs))
     hr = headroom or default_headroom(dev, calibrated=calibrated)
-    opt = optimizer_memory(sizes, optimizer, impl, dev)
-    grads = sum(sizes)
-    none = peak_estimate(tm.costs, (), opt, tm.param_bytes, grads, "no checkpointing")
-    best = optimal_plan(tm.costs, opt, step_peak(tm.costs, grads, opt))
-    optimal = peak_estimate(tm.costs, best, opt, tm.param_bytes, grads, "optimal plan")
-    return Estimate(batch_of(inputs), tm.n, opt, tm.param_bytes, grads, none, optimal, hr, calibrated)
+    rank = rank_costs(tm.costs, param_facts(model, tm if _sharded(parallel) else None), tm.param_bytes, parallel)
+    opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
+    none = peak_estimate(rank, (), opt, "no checkpointing")
+    best = optimal_plan(rank, opt)
+    optimal = peak_estimate(rank, best, opt, "optimal plan")
+    return Estimate(batch_of(inputs), tm.n, opt, rank.param_bytes, rank.grad_bytes, none, optimal, hr, calibrated,
+                    parallel)

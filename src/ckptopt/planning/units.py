@@ -1,0 +1,98 @@
+"""What the parallel wrappers see of a model: its parameters, and the blocks FSDP2 shards.
+
+:func:`param_facts` reads the parameters (sizes, first dimensions, trainable or not) and,
+for FSDP2, which *unit* owns each one and which chain layers each unit's forward spans:
+``fully_shard`` goes on each repeated block (:func:`repeated_blocks`) and on the root,
+which owns every other parameter. The arithmetic is in :mod:`ckptopt.planning.parallel`
+and :mod:`ckptopt.planning.fsdp` (no torch there).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..torch_utils import distinct_storages, storage_nbytes
+from ..tracer.capture.base import module_path
+from .parallel import ParamFacts
+
+__all__ = ["repeated_blocks", "param_facts"]
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """The module paths FSDP2 is applied to besides the root, in forward order of definition.
+
+    A transformers model names its blocks (``_no_split_modules``: ``LlamaDecoderLayer``);
+    otherwise the blocks are the members of a ``ModuleList``/``Sequential`` of at least two
+    modules of one class that hold parameters (a transformer's layers, a ResNet stage's
+    blocks). The outermost such modules are taken: a block is never inside another.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[str] = []
+
+    def inside(path: str) -> bool:
+        return any(path == f or path.startswith(f + ".") for f in found)
+
+    for path, mod in model.named_modules():
+        if not path or inside(path):
+            continue
+        if names and type(mod).__name__ in names:
+            found.append(path)
+        elif not names and isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            kids = list(mod.named_children())
+            if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and \
+                    all(any(True for _ in k.parameters()) for _, k in kids):
+                found.extend(f"{path}.{n}" for n, _ in kids)
+    return found
+
+
+def _owner(name: str, units: list[str]) -> int:
+    for u, path in enumerate(units):
+        if name.startswith(path + "."):
+            return u
+    return -1
+
+
+def param_facts(model: nn.Module, traced=None, blocks: list[str] | None = None) -> ParamFacts:
+    """The parameters of ``model`` (each storage once, ``model.parameters()`` order) and, given the
+    traced model, the FSDP2 units (``blocks``, default :func:`repeated_blocks`) with the chain
+    layers each one's forward spans.
+
+    A unit spans the layers from the first that runs an operation inside it (by the graph's
+    module paths) to the last; a unit no layer runs in is dropped (its parameters go to the root).
+    """
+    named = dict(model.named_parameters(remove_duplicate=True))
+    by_id = {id(p): n for n, p in named.items()}
+    params = list(distinct_storages(named.values()))
+    blocks = repeated_blocks(model) if blocks is None else list(blocks)
+    span: dict[int, list[int]] = {}
+    if traced is not None and blocks:
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+        for layer in traced.layers:
+            for x in layer.nodes:
+                node = nodes.get(x)
+                if node is None:
+                    continue
+                path = module_path(node)
+                u = _owner(path + ".", blocks) if path else -1
+                if u >= 0:
+                    lo_hi = span.setdefault(u, [layer.index, layer.index])
+                    lo_hi[0], lo_hi[1] = min(lo_hi[0], layer.index), max(lo_hi[1], layer.index)
+    kept = sorted(span, key=lambda u: span[u][0])
+    renum = {u: k for k, u in enumerate(kept)}
+    owner = [renum.get(_owner(by_id[id(p)], blocks), -1) for p in params] if kept else [-1] * len(params)
+    return ParamFacts(
+        nbytes=tuple(storage_nbytes(p) for p in params),
+        dim0=tuple(int(p.shape[0]) if p.dim() else 1 for p in params),
+        unit=tuple(owner),
+        units=tuple((span[u][0], span[u][1]) for u in kept),
+        unit_names=tuple(blocks[u] for u in kept),
+        trainable=tuple(bool(p.requires_grad) for p in params),
+        model_end=None if traced is None else _model_end(traced),
+    )
+
+
+def _model_end(traced) -> int:
+    """The last layer of the model's own forward: before the loss layer when the loss is computed
+    outside the model (FSDP2's root finishes its forward there)."""
+    n = traced.n
+    return n - 2 if n > 1 and tuple(traced.layers[-1].nodes) == ("<loss>",) else n - 1
