@@ -16,7 +16,8 @@ from ..units import parse_bytes
 from .estimate import _sharded, batch_of, optimal_plan, plan_recompute_share, sharded_leaves
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, optimizer_memory
-from .parallel import Parallel, RankCosts, rank_costs
+from .parallel import Parallel, RankCosts
+from .ranks import rank_costs
 from .units import param_facts
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]

@@ -19,7 +19,8 @@ from ..tracer import trace
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory
-from .parallel import Parallel, RankCosts, rank_costs
+from .parallel import Parallel, RankCosts
+from .ranks import rank_costs
 from .units import param_facts, repeated_blocks
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",

@@ -45,9 +45,9 @@ import numpy as np
 
 from ..costs import ChainCosts
 from ..simulator import simulate_timeline
-from .parallel import Parallel, ParamFacts, RankCosts
+from .parallel import Parallel, ParamFacts, RankCosts, RankPeak
 
-__all__ = ["FsdpShape", "fsdp_shape", "fsdp_rank_costs", "fsdp_base", "fsdp_peak"]
+__all__ = ["FsdpShape", "FsdpRankCosts", "fsdp_shape", "fsdp_rank_costs", "fsdp_base", "fsdp_peak"]
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,17 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
     d["static"] = step_static + shape.root_gathered
     rc = ChainCosts.from_dict(d)
     grads = sum(shape.grad_shard) + shape.root_grad_shard
-    return RankCosts(rc, shape.opt_sizes, grads, sharded, step_static, 0, parallel,
-                     fsdp=(shape, fsdp_base(costs, step_static), tuple(int(x) for x in p)))
+    return FsdpRankCosts(rc, shape.opt_sizes, grads, sharded, step_static, 0, parallel,
+                         fsdp=(shape, fsdp_base(costs, step_static), tuple(int(x) for x in p)))
+
+
+class FsdpRankCosts(RankCosts):
+    """:class:`RankCosts` whose forward+backward peak is :func:`fsdp_peak`'s."""
+
+    def fb_peak(self, checkpoints, stored=(), accumulate: bool = False) -> RankPeak:
+        shape, base, grads = self.fsdp
+        v, phase, layer, held_grads, buffers = fsdp_peak(base, list(grads), shape, checkpoints, stored, accumulate)
+        return RankPeak(v, phase, layer, held_grads, buffers)
 
 
 def W_rs(shape: FsdpShape, u: int) -> int:

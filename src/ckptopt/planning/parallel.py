@@ -20,7 +20,8 @@ how the buffer is split, not its size.
 ``reshard_after_forward``): see :class:`FsdpLayout` and :func:`rank_costs`.
 
 No torch import: the per-parameter facts (sizes, first dimensions, which unit owns them,
-which layers use them) come from :mod:`ckptopt.planning.units`.
+which layers use them) come from :mod:`ckptopt.planning.units`; :func:`ckptopt.planning.ranks.rank_costs`
+picks the strategy.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 from ..costs import ChainCosts
 from ..simulator import simulate
 
-__all__ = ["Parallel", "STRATEGIES", "ParamFacts", "RankCosts", "RankPeak", "rank_costs", "single_rank"]
+__all__ = ["Parallel", "STRATEGIES", "ParamFacts", "RankCosts", "RankPeak", "ddp_rank_costs", "single_rank"]
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -154,7 +155,7 @@ class RankCosts:
     step_static: int
     comm_bytes: int = 0
     parallel: Parallel | None = None
-    fsdp: tuple | None = None  # (FsdpShape, base costs, full gradient bytes per layer): fsdp.fsdp_peak's inputs
+    fsdp: tuple | None = None  # FSDP2 (FsdpRankCosts): (FsdpShape, base costs, full gradient bytes per layer)
 
     def solver_costs(self, accumulate: bool = False) -> ChainCosts:
         """The cost model the solvers see (a micro-batch after the first: every gradient held)."""
@@ -164,12 +165,6 @@ class RankCosts:
 
     def fb_peak(self, checkpoints, stored=(), accumulate: bool = False) -> RankPeak:
         """The forward+backward peak of the rank under a plan."""
-        if self.fsdp is not None:
-            from .fsdp import fsdp_peak
-
-            shape, base, grads = self.fsdp
-            v, phase, layer, held_grads, buffers = fsdp_peak(base, list(grads), shape, checkpoints, stored, accumulate)
-            return RankPeak(v, phase, layer, held_grads, buffers)
         sim = simulate(self.solver_costs(accumulate), checkpoints, stored)
         return RankPeak(sim.peak_bytes, sim.phase, sim.layer, None, 0, sim)
 
@@ -208,30 +203,12 @@ def _with(costs: ChainCosts, static: int | None = None, **layers: Sequence[int])
     return ChainCosts.from_dict(d)
 
 
-def rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, parallel: Parallel | None) -> RankCosts:
-    """The step of one rank of ``parallel`` whose local batch ``costs`` was traced on.
-
-    Parameters
-    ----------
-    costs : ChainCosts
-        The traced cost model of the local batch (static: parameters, buffers, inputs).
-    facts : ParamFacts
-        The trainable parameters (:func:`ckptopt.planning.units.param_facts`).
-    param_bytes : int
-        Bytes of all parameters (trainable or not) in ``costs.static``.
-    parallel : Parallel or None
-        None: one process.
-    """
-    if parallel is None:
-        return single_rank(costs, facts.sizes, param_bytes)
-    if parallel.strategy == "ddp":
-        buckets = facts.total
-        if parallel.gradient_as_bucket_view:
-            # the gradients live in the buckets: none accumulates during the backward, none is added at the step
-            rc = _with(costs, static=costs.static + buckets, p=[0] * costs.n)
-            return RankCosts(rc, facts.sizes, 0, param_bytes, rc.static, buckets, parallel)
-        rc = _with(costs, static=costs.static + buckets)
-        return RankCosts(rc, facts.sizes, facts.total, param_bytes, rc.static, buckets, parallel)
-    from .fsdp import fsdp_rank_costs
-
-    return fsdp_rank_costs(costs, facts, param_bytes, parallel, facts.model_end)
+def ddp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, parallel: Parallel) -> RankCosts:
+    """One rank of DDP (see the module note): the buckets, held for the whole run."""
+    buckets = facts.total
+    if parallel.gradient_as_bucket_view:
+        # the gradients live in the buckets: none accumulates during the backward, none is added at the step
+        rc = _with(costs, static=costs.static + buckets, p=[0] * costs.n)
+        return RankCosts(rc, facts.sizes, 0, param_bytes, rc.static, buckets, parallel)
+    rc = _with(costs, static=costs.static + buckets)
+    return RankCosts(rc, facts.sizes, facts.total, param_bytes, rc.static, buckets, parallel)
