@@ -329,6 +329,33 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=None,
                    help="run each layer once on the device (workspaces, scratch, measured times): the model is "
                         "then built on --device. Default off: the model is built on the meta device (no memory)")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="price one rank of a data-parallel run of N ranks (--batch is then the per-rank batch)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], default=None,
+                   help="with --world-size: ddp (DistributedDataParallel: gradient buckets) or fsdp (FSDP2 "
+                        "fully_shard on each repeated block and the root). Default ddp")
+    p.add_argument("--rank", type=int, default=0, help="with --world-size: the rank priced (default 0: under FSDP2 "
+                   "it holds the most optimizer state)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true",
+                   help="with --strategy ddp: DDP's gradient_as_bucket_view=True")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="with --strategy ddp: DDP's bucket_cap_mb")
+    p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                   help=argparse.SUPPRESS)
+
+
+def _parallel(args):
+    """The :class:`~ckptopt.planning.Parallel` the arguments ask for, or None (one process)."""
+    from .planning import Parallel
+
+    if args.world_size is None:
+        if args.strategy is not None:
+            raise ValueError("--strategy needs --world-size N (the number of ranks)")
+        return None
+    if not args.reshard_after_forward:
+        raise ValueError("--no-reshard-after-forward is not modelled yet: FSDP2's default (reshard after "
+                         "forward) is what ckptopt prices")
+    return Parallel(args.world_size, args.strategy or "ddp", rank=args.rank, bucket_cap_mb=args.bucket_cap_mb,
+                    gradient_as_bucket_view=args.gradient_as_bucket_view)
 
 
 def _headroom(args):
@@ -355,7 +382,8 @@ def _model_header(args, tm_n: int, inputs) -> str:
 
 
 _ROWS = (("parameters", "parameters"), ("buffers and inputs", "buffers_and_inputs"), ("gradients", "gradients"),
-         ("optimizer state", "optimizer_state"), ("activations", "activations"), ("transients", "transient"))
+         ("optimizer state", "optimizer_state"), ("activations", "activations"), ("transients", "transient"),
+         ("parallel buffers", "parallel"))
 
 
 def _where(pe) -> str:
@@ -369,17 +397,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     model, inputs = _load(args, meta=True)
     est = estimate(model, inputs, optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf,
-                   capture=args.capture, calibrate=args.calibrate, headroom=_headroom(args))
+                   capture=args.capture, calibrate=args.calibrate, headroom=_headroom(args), parallel=_parallel(args))
     if args.json:
         json.dump(dict(model=args.model, dtype=args.dtype, device=args.device, **est.to_dict()), sys.stdout, indent=1)
         print()
         return 0
     opt = est.optimizer
     print(_model_header(args, est.n_layers, inputs) + f"; optimizer {opt.name} ({opt.impl} step, {args.device})")
+    if est.parallel is not None:
+        print(f"one rank of {est.parallel.describe()}; the batch above is the rank's")
     cols = (est.no_checkpointing, est.optimal)
     print(f"{'':<20} {'no checkpointing':>18} {'optimal plan':>18}")
     for label, key in _ROWS:
         vals = [getattr(c.breakdown, key) for c in cols]
+        if key == "parallel" and est.parallel is None:
+            continue
         print(f"{label:<20} {format_bytes(vals[0]):>18} {format_bytes(vals[1]):>18}")
     print(f"{'peak':<20} {format_bytes(cols[0].peak_bytes):>18} {format_bytes(cols[1].peak_bytes):>18}")
     red = 100.0 * (cols[1].peak_bytes - cols[0].peak_bytes) / cols[0].peak_bytes
@@ -424,7 +456,7 @@ def _lengths(text: str) -> list[int]:
 
 def _planning_kwargs(args: argparse.Namespace) -> dict:
     return dict(optimizer=args.optimizer, device=args.device, leaf_modules=args.leaf, capture=args.capture,
-                headroom=_headroom(args))
+                headroom=_headroom(args), parallel=_parallel(args))
 
 
 def cmd_max_batch_sweep(args: argparse.Namespace) -> int:
@@ -449,6 +481,8 @@ def cmd_max_batch_sweep(args: argparse.Namespace) -> int:
     first = rows[0][1]
     print(f"{args.model}: memory {format_bytes(first.memory_bytes)}, optimizer {first.optimizer.name} "
           f"({first.optimizer.impl} step, {args.device}), {args.dtype}")
+    if _parallel(args) is not None:
+        print(f"one rank of {_parallel(args).describe()}: the batches below are per rank")
     head = f"{'seq':>7} {'no ckpt':>8} {'optimal':>8} {'optimal peak':>13} {'recompute':>9} {'traces':>6}"
     print(head)
     print("-" * len(head))
@@ -488,6 +522,8 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     opt = mb.optimizer
     print(f"{args.model}: per-sample input {shapes} ({args.dtype}), memory {format_bytes(memory)}, "
           f"optimizer {opt.name} ({opt.impl} step, {args.device})")
+    if kw["parallel"] is not None:
+        print(f"  one rank of {kw['parallel'].describe()}: the batches below are per rank")
     print(f"  no checkpointing: {_fit_line(mb.no_checkpointing)}")
     print(f"  optimal plan:     {_fit_line(mb.optimal)}")
     how = "affine in the batch size" if mb.affine else "not affine at the probes: re-fitted near the answer"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -238,6 +239,18 @@ class BatchCosts:
         if batch in self._traced or trace or self._fit is None:
             return self.traced(batch).costs
         return self.interpolated(batch)
+
+    def for_parallel(self, parallel: Parallel | None) -> "BatchCosts":
+        """The same traces and fit for another world size or strategy (``parallel`` must shard the same
+        blocks: an FSDP2 one needs this object built for FSDP2, which records the blocks)."""
+        if _sharded(parallel) and not self.facts.units:
+            raise ValueError("for_parallel: these costs were built without FSDP2's blocks; build them with "
+                             "parallel=Parallel(world_size, 'fsdp')")
+        other = copy.copy(self)
+        other.parallel = parallel
+        other.sizes = rank_costs(self.traced(next(iter(self._traced))).costs, self.facts, self.param_bytes,
+                                 parallel).sizes
+        return other
 
     def rank(self, batch: int, trace: bool = False, costs: ChainCosts | None = None) -> RankCosts:
         """One rank's step at local batch ``batch`` (:meth:`costs`, or ``costs`` given)."""

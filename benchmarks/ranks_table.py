@@ -1,0 +1,135 @@
+"""Will it fit? One rank of Llama-3-8B and -70B shapes under FSDP2 and DDP, planned without weights.
+
+For each shape (bf16, AdamW, CUDA's foreach step, the assumed CUDA headroom: 70 MB workspace
++ 10%), the model is built on the meta device and traced once per (batch, sequence); each world
+size then prices one rank from the same trace (``ckptopt.planning.Parallel``; FSDP2:
+``fully_shard`` on each decoder layer and the root, rank 0, which holds the most optimizer state).
+Then the largest per-rank batch at sequence 4096 on 24, 40 and 80 GB GPUs (``max_batch``'s search,
+each answer b and b+1 confirmed by a trace).
+
+    python benchmarks/ranks_table.py [--models llama3-8b,llama3-70b] [--worlds 1,2,4,8,64]
+
+writes benchmarks/results/ranks_table.json and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from _common import run_metadata  # noqa: E402
+from full_size import SHAPES  # noqa: E402
+
+OUT = os.path.join(HERE, "results")
+GiB = 2**30
+
+
+def build(name: str, batch: int, seq: int):
+    from ckptopt._models import load_model
+
+    cls, cfg = SHAPES[name]
+    model, inputs = load_model(f"hf:{cls}", batch, seq, "bf16", config=cfg, meta=True)
+    return model.train(), inputs
+
+
+def parallel(world: int, strategy: str):
+    from ckptopt.planning import Parallel
+
+    return None if world == 1 else Parallel(world, strategy)
+
+
+def peaks(name: str, batch: int, seq: int, worlds, strategies) -> list[dict]:
+    """Every (strategy, world) from one trace of the local batch."""
+    from ckptopt import trace
+    from ckptopt.planning import default_headroom
+    from ckptopt.planning.estimate import optimal_plan, peak_estimate
+    from ckptopt.planning.optimizer import optimizer_memory
+    from ckptopt.planning.ranks import rank_costs
+    from ckptopt.planning.units import param_facts, repeated_blocks
+
+    model, inputs = build(name, batch, seq)
+    t = time.perf_counter()
+    tm = trace(model, inputs, leaf_modules=repeated_blocks(model))
+    traced_s = time.perf_counter() - t
+    facts = param_facts(model, tm)
+    hr = default_headroom("cuda")
+    rows = []
+    for strategy in strategies:
+        for world in worlds:
+            if world == 1 and strategy != strategies[0]:
+                continue
+            par = parallel(world, strategy)
+            t = time.perf_counter()
+            rc = rank_costs(tm.costs, facts, tm.param_bytes, par)
+            opt = optimizer_memory(rc.sizes, "adamw", None, "cuda")
+            none = peak_estimate(rc, (), opt, "no checkpointing")
+            best = peak_estimate(rc, optimal_plan(rc, opt), opt, "optimal plan")
+            rows.append(dict(model=name, batch=batch, seq=seq, strategy=strategy if par else "single", world=world,
+                             layers=tm.n, none_bytes=none.peak_bytes, none_needed=hr.needed(none.peak_bytes),
+                             optimal_bytes=best.peak_bytes, optimal_needed=hr.needed(best.peak_bytes),
+                             optimal_at=best.at, recompute_share=best.recompute_share,
+                             trace_s=round(traced_s, 1), plan_s=round(time.perf_counter() - t, 2)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def largest(name: str, seq: int, worlds, memories) -> list[dict]:
+    """The largest per-rank batch under FSDP2 (and one process) on each memory size."""
+    from ckptopt.planning import Headroom, Parallel, default_headroom
+    from ckptopt.planning.batch import BatchCosts, optimizer_for, search_batch
+
+    model, inputs = build(name, 1, seq)
+    base = BatchCosts(model, inputs, parallel=Parallel(2, "fsdp"))
+    hr = default_headroom("cuda")
+    rows = []
+    for world in worlds:
+        bc = base.for_parallel(parallel(world, "fsdp"))
+        opt = optimizer_for(bc, "adamw", None, "cuda")
+        for gb in memories:
+            usable = hr.usable(gb * 10**9)
+            t = time.perf_counter()
+            none = search_batch(bc, "none", usable, opt)
+            best = search_batch(bc, "optimal", usable, opt)
+            rows.append(dict(model=name, seq=seq, world=world, strategy="fsdp" if world > 1 else "single",
+                             memory_gb=gb, none_batch=none.batch, optimal_batch=best.batch,
+                             optimal_peak=best.peak_bytes, recompute_share=best.recompute_share,
+                             traces=bc.traces, seconds=round(time.perf_counter() - t, 1)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama3-8b,llama3-70b")
+    ap.add_argument("--worlds", default="1,2,4,8,64")
+    ap.add_argument("--cases", default="1x4096,4x4096,1x8192", help="per-rank batch x sequence")
+    ap.add_argument("--memories", default="24,40,80", help="GPU memory sizes, GB")
+    ap.add_argument("--no-max-batch", action="store_true")
+    ap.add_argument("--max-batch-seq", default=4096, type=int)
+    ap.add_argument("--max-batch-worlds", default="1,8,64")
+    ap.add_argument("--out", default=os.path.join(OUT, "ranks_table.json"))
+    args = ap.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    rows, fits = [], []
+    for name in args.models.split(","):
+        for case in args.cases.split(","):
+            b, s = (int(v) for v in case.split("x"))
+            rows += peaks(name, b, s, worlds, ["fsdp", "ddp"])
+        if not args.no_max_batch:
+            fits += largest(name, int(args.max_batch_seq), [int(w) for w in args.max_batch_worlds.split(",")], [int(m) for m in args.memories.split(",")])
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=run_metadata("ranks_table"), rows=rows, max_batch=fits), f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
