@@ -101,6 +101,19 @@ def _train_fsdp2(rank, batches):
     return state, opt.plan.checkpoints
 
 
+def _train_fsdp2_one_call(rank, batches):
+    from ckptopt import optimize_checkpoints
+    from ckptopt.planning import Parallel
+
+    model = make_model()
+    # one call: the blocks kept whole, the plan made for one FSDP2 rank, fully_shard applied
+    opt = optimize_checkpoints(model, batches[0][0], parallel=Parallel(WORLD, "fsdp"))
+    assert {type(m).__name__ for m in model.blocks} != {"Sequential"}  # FSDP2 made them FSDPModules
+    train(opt, opt.parameters(), batches)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    return state, opt.plan.checkpoints
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import traceback
 
@@ -108,7 +121,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
         batches = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]) for x, y in global_batches()]
-        for mode, fn in (("ddp", _train_ddp), ("fsdp2", _train_fsdp2)):
+        for mode, fn in (("ddp", _train_ddp), ("fsdp2", _train_fsdp2), ("fsdp2-one-call", _train_fsdp2_one_call)):
             try:
                 state, checkpoints = fn(rank, batches)
                 result = {"state": {k: v.detach().clone() for k, v in state.items()}, "checkpoints": checkpoints}
@@ -144,7 +157,7 @@ def two_rank_results(tmp_path_factory) -> dict:
             if p.is_alive():
                 p.kill()
     return {mode: [torch.load(os.path.join(out_dir, f"{mode}-rank{r}.pt")) for r in range(WORLD)]
-            for mode in ("ddp", "fsdp2")}
+            for mode in ("ddp", "fsdp2", "fsdp2-one-call")}
 
 
 def single_process_reference() -> dict:
@@ -182,3 +195,11 @@ def test_fsdp2_two_cpu_ranks_equal_single_process(two_rank_results):
     results = _results(two_rank_results, "fsdp2")
     _assert_same_parameters(results, single_process_reference())
     assert results[0]["checkpoints"]
+
+
+def test_fsdp2_in_one_call_without_leaf_modules(two_rank_results):
+    """``optimize_checkpoints(model, x, parallel=Parallel(2, "fsdp"))`` keeps the blocks whole, plans for
+    the rank and shards the module: it trains as one process on the global batch does."""
+    results = _results(two_rank_results, "fsdp2-one-call")
+    _assert_same_parameters(results, single_process_reference())
+    assert results[0]["checkpoints"] == results[1]["checkpoints"]

@@ -162,3 +162,52 @@ def test_gloo_ranks_measure_what_was_predicted(world, tmp_path):
                 assert 0 <= gap <= LOSS + 2 * block, what
     fsdp = [(row[4], row[5]) for res in results for row in res["rows"] if row[0] == "fsdp"]
     assert sum(m - p == LOSS for p, m in fsdp) >= len(fsdp) // 2, fsdp  # most are exact
+
+
+def test_fsdp2_planning_refuses_a_model_only_torch_export_captures():
+    transformers = pytest.importorskip("transformers")
+    from ckptopt import TraceError, optimize_checkpoints
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TraceError, match=r"needs a torch.fx graph that calls the blocks FSDP2 shards "
+                                         r"\(model.layers.0, model.layers.1\).*estimate their per-rank memory"):
+        optimize_checkpoints(model, {"input_ids": ids, "labels": ids}, parallel=Parallel(2, "fsdp"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_estimate_of_a_transformers_model_prices_its_decoder_layers_as_units():
+    """No process group needed to estimate: the blocks of a torch.export graph are found by module path."""
+    transformers = pytest.importorskip("transformers")
+    from ckptopt import estimate
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 8))
+    from ckptopt import trace
+    from ckptopt.planning.estimate import optimal_plan, peak_estimate
+    from ckptopt.planning.optimizer import optimizer_memory
+    from ckptopt.planning.ranks import rank_costs
+    from ckptopt.planning.units import param_facts
+
+    batch = {"input_ids": ids, "labels": ids}
+    two = estimate(model, batch, optimizer="adamw", parallel=Parallel(2, "fsdp"))
+    tm = trace(model, batch)
+    facts = param_facts(model, tm)
+    assert facts.unit_names == ("model.layers.0", "model.layers.1", "model.layers.2")
+    peaks = {}
+    for w in (1, 2, 8):
+        rank = rank_costs(tm.costs, facts, tm.param_bytes, Parallel(w, "fsdp") if w > 1 else None)
+        opt = optimizer_memory(rank.sizes, "adamw")
+        peaks[w] = peak_estimate(rank, optimal_plan(rank, opt), opt)
+    assert peaks[2].peak_bytes == two.optimal.peak_bytes
+    # sharded parameters and optimizer state shrink with the world size
+    assert peaks[1].breakdown.parameters > peaks[2].breakdown.parameters > peaks[8].breakdown.parameters
+    assert peaks[2].breakdown.optimizer_state > peaks[8].breakdown.optimizer_state
+    assert peaks[8].peak_bytes < peaks[2].peak_bytes

@@ -32,6 +32,7 @@ def optimize_checkpoints(
     capture: str = "auto",
     calibrate: bool | None = None,
     in_place: bool | None = None,
+    parallel=None,
 ) -> nn.Module:
     """Return ``model`` rewritten to train with the lowest peak memory.
 
@@ -81,6 +82,15 @@ def optimize_checkpoints(
         ``save_pretrained``, as HuggingFace's ``Trainer``, PEFT, accelerate and TRL expect.
         Default: for transformers, PEFT and diffusers models; other models get a wrapper.
         ``ckptopt.detach(model)`` undoes it.
+    parallel : ckptopt.planning.Parallel, optional
+        Plan one rank of a data-parallel run (``example_inputs``: the rank's batch) for the
+        memory that rank holds (``docs/design.md`` §13). ``Parallel(W, "ddp")``: DDP's gradient
+        buckets count (wrap the returned module in ``DistributedDataParallel`` yourself).
+        ``Parallel(W, "fsdp")``: the repeated blocks stay whole in the graph (FSDP2 gathers a
+        block when it is called), the plan is chosen for FSDP2's per-rank memory, and the
+        returned module is sharded with ``fully_shard`` on each block and on itself (the
+        process group must be initialized; the default device mesh). Models that only
+        ``torch.export`` captures (their graph does not call the blocks) are refused.
 
     Returns
     -------
@@ -116,8 +126,24 @@ def optimize_checkpoints(
     if attached(model) is not None and not planning_now(model):  # planned before: plan again from its own forward
         detach(model)
     state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})
+    sharded = parallel is not None and parallel.strategy == "fsdp"
+    if sharded:
+        from .planning.estimate import sharded_leaves
+
+        leaf_modules = sharded_leaves(model, parallel, leaf_modules)
+        capture = _fsdp_capture(capture)
     try:
-        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+        try:
+            tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+        except TraceError as exc:
+            if not sharded:
+                raise
+            raise TraceError(
+                f"parallel=Parallel(..., 'fsdp') needs a torch.fx graph that calls the blocks FSDP2 shards "
+                f"({', '.join(map(str, leaf_modules or ())) or 'none found'}), and torch.fx cannot trace this "
+                f"model: {exc}. Models only torch.export captures (transformers) are not planned for FSDP2 "
+                "yet: estimate their per-rank memory with ckptopt.estimate(..., parallel=...), and train "
+                "with FSDP2 and the model's own checkpointing") from exc
         front_end = tm.capture.front_end if tm.capture is not None else "fx"
         note = _check_forward_has_no_python_side_effects(model, example_inputs, front_end)
         if note and tm.capture is not None:
@@ -134,11 +160,16 @@ def optimize_checkpoints(
         from .planning import device_budget
 
         budget = device_budget(device, calibrated=tm.calibration is not None)
-    plan = solve(tm.costs, solver, budget=budget)
-    base = simulate(tm.costs, ())
-    if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
-        plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
+    if parallel is not None:
+        plan = _rank_plan(model, tm, parallel, solver, budget)
+    else:
+        plan = solve(tm.costs, solver, budget=budget)
+        base = simulate(tm.costs, ())
+        if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
+            plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     module = apply_plan(model, tm, plan)
+    if sharded:
+        _fully_shard(model, module, leaf_modules)
     if tm.capture is not None and tm.capture.front_end != "fx":
         # a training call of another structure (a keyword HF's Trainer adds, num_items_in_batch; another
         # shape of a capture made at the example's shapes only) is planned the same way on first sight
@@ -154,6 +185,63 @@ def optimize_checkpoints(
     if in_place if in_place is not None else inspected_by_type(model):
         return attach(model, module)
     return module
+
+
+def _fsdp_capture(capture: str) -> str:
+    if capture == "export":
+        raise ValueError("parallel=Parallel(..., 'fsdp') needs capture='fx': FSDP2 gathers a block's parameters "
+                         "when the block is called, and a torch.export graph does not call its blocks")
+    return "fx"
+
+
+def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
+    """The plan for one rank of ``parallel`` (its buckets, shards and gathered blocks counted)."""
+    from .errors import InfeasibleBudget
+    from .planning.estimate import optimal_plan
+    from .planning.optimizer import optimizer_memory
+    from .planning.ranks import rank_costs
+    from .planning.units import param_facts
+
+    rank = rank_costs(tm.costs, param_facts(model, tm), tm.param_bytes, parallel)
+    if rank.fsdp is None or (solver != "auto" and budget is None):
+        plan = solve(rank.costs, solver, budget=budget)
+        return plan if rank.fsdp is None else dataclasses.replace(
+            plan, peak_bytes=rank.fb_peak(plan.checkpoints, plan.stored).bytes)
+    best = optimal_plan(rank, optimizer_memory(rank.sizes, "none"))
+    if budget is None or best.peak_bytes > budget:
+        if budget is not None:
+            raise InfeasibleBudget(budget, best.peak_bytes)
+        return best
+    plan = solve(rank.costs, "budget", budget=budget)  # least recomputation in the per-layer form, if it fits
+    peak = rank.fb_peak(plan.checkpoints, plan.stored).bytes
+    return dataclasses.replace(plan, peak_bytes=peak) if peak <= budget else best
+
+
+def _fully_shard(model: nn.Module, module: nn.Module, blocks) -> None:
+    """FSDP2 on each block the graph calls, then on the module the user trains."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("parallel=Parallel(..., 'fsdp') shards the returned module with fully_shard, which "
+                           "needs torch.distributed initialized (dist.init_process_group) on every rank first")
+    from torch.distributed.fsdp import fully_shard
+
+    for block in _modules_named(model, blocks or ()):
+        fully_shard(block)
+    fully_shard(module)
+
+
+def _modules_named(model: nn.Module, blocks) -> list[nn.Module]:
+    """The submodules ``blocks`` names (paths, or classes: every module of that class, outermost)."""
+    names = [b for b in blocks if isinstance(b, str)]
+    types = tuple(b for b in blocks if isinstance(b, type))
+    out = [model.get_submodule(n) for n in names]
+    taken: list[str] = []
+    for path, mod in model.named_modules():
+        if types and isinstance(mod, types) and not any(path.startswith(t + ".") for t in taken):
+            out.append(mod)
+            taken.append(path)
+    return out
 
 
 def _device_of(model: nn.Module) -> torch.device:
