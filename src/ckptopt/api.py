@@ -207,7 +207,7 @@ def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
         plan = solve(rank.costs, solver, budget=budget)
         return plan if rank.fsdp is None else dataclasses.replace(
             plan, peak_bytes=rank.fb_peak(plan.checkpoints, plan.stored).bytes)
-    best = optimal_plan(rank, optimizer_memory(rank.sizes, "none"))
+    best = optimal_plan(rank, optimizer_memory(rank.sizes, "none"))  # (the forward+backward peak alone)
     if budget is None or best.peak_bytes > budget:
         if budget is not None:
             raise InfeasibleBudget(budget, best.peak_bytes)

@@ -186,24 +186,38 @@ def optimal_plan(rank: RankCosts, opt: OptimizerMemory, accumulate: bool = False
     costs = rank.solver_costs(accumulate)
     best = solve(costs, "auto")
     if rank.fsdp is not None:
-        return _fsdp_choice(rank, costs, best, accumulate)
+        return _fsdp_choice(rank, costs, best, opt, accumulate)
     target = max(best.peak_bytes + opt.state_bytes, rank.step_peak(opt))
     found = least_recompute_plan(costs, target - opt.state_bytes)
     return found if found is not None else best
 
 
-def _fsdp_choice(rank: RankCosts, costs: ChainCosts, best: Plan, accumulate: bool) -> Plan:
-    """The lowest of the FSDP2 candidates, by the event-level peak (ties: the least recomputation)."""
+def _fsdp_choice(rank: RankCosts, costs: ChainCosts, best: Plan, opt: OptimizerMemory, accumulate: bool) -> Plan:
+    """The FSDP2 candidate with the lowest step peak by the event-level forward+backward peak, then the
+    least recomputation: the per-layer optimum, the same with a cut at every block boundary (no
+    checkpointed segment spans blocks), no checkpointing, and the least-recompute plan of the per-layer
+    form under the lowest step peak found."""
     spans = rank.fsdp[0].spans
     bounds = {s for s, _ in spans} | {e + 1 for _, e in spans}
     confined = tuple(sorted(set(best.checkpoints) | {b for b in bounds if 0 < b < costs.n}))
-    scored = []
-    for cps, stored in {(best.checkpoints, best.stored), (confined, ()), ((), ())}:
+    step = rank.step_peak(opt)
+    scored = {}
+
+    def score(cps, stored):
         stored = tuple(s for s in stored if s in cps)
-        peak = rank.fb_peak(cps, stored, accumulate).bytes
-        scored.append((peak, plan_recompute_share(costs, cps, stored)[0], cps, stored))
-    peak, _, cps, stored = min(scored)
-    return Plan(cps, peak, "auto (fsdp)", 0.0, costs.n, stored)
+        if (cps, stored) not in scored:
+            fb = rank.fb_peak(cps, stored, accumulate).bytes
+            scored[(cps, stored)] = (max(fb + opt.state_bytes, step), plan_recompute_share(costs, cps, stored)[0], fb)
+        return scored[(cps, stored)]
+
+    for cps, stored in ((best.checkpoints, best.stored), (confined, ()), ((), ())):
+        score(cps, stored)
+    lowest = min(v[0] for v in scored.values())
+    cheap = least_recompute_plan(costs, lowest - opt.state_bytes)
+    if cheap is not None:
+        score(cheap.checkpoints, cheap.stored)
+    (cps, stored), (_, _, fb) = min(scored.items(), key=lambda kv: kv[1][:2])
+    return Plan(cps, fb, "auto (fsdp)", 0.0, costs.n, stored)
 
 
 def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
