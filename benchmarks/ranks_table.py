@@ -105,6 +105,42 @@ def largest(name: str, seq: int, worlds, memories) -> list[dict]:
     return rows
 
 
+def markdown(paths) -> str:
+    """The README's tables from one or more result files."""
+    rows, fits = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += data["rows"]
+        fits += data["max_batch"]
+    gib = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+    out = ["Per-GPU peak, GiB (needed with the assumed CUDA headroom in parentheses); no checkpointing / "
+           "ckptopt's plan:", "",
+           "| model | batch x seq | strategy | 1 GPU | 2 | 4 | 8 | 64 |", "|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["batch"], r["seq"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
+    for model, batch, seq in keys:
+        one = next((r for r in rows if (r["model"], r["batch"], r["seq"], r["world"]) == (model, batch, seq, 1)), None)
+        for strategy in ("fsdp", "ddp"):
+            cells = []
+            for world in (1, 2, 4, 8, 64):
+                r = one if world == 1 else next((r for r in rows if (r["model"], r["batch"], r["seq"], r["strategy"],
+                                                                      r["world"]) == (model, batch, seq, strategy,
+                                                                                       world)), None)
+                cells.append("-" if r is None else
+                             f"{gib(r['none_bytes'])} / **{gib(r['optimal_bytes'])}** ({gib(r['optimal_needed'])})")
+            out.append(f"| {model} | {batch} x {seq} | {strategy} | " + " | ".join(cells) + " |")
+    if fits:
+        out += ["", "Largest per-rank batch at sequence 4096 under FSDP2 (no checkpointing / ckptopt's plan), "
+                "headroom kept:", "", "| model | ranks | 24 GB | 40 GB | 80 GB |", "|---|---|---|---|---|"]
+        for model, world in sorted({(f["model"], f["world"]) for f in fits}):
+            cells = []
+            for gb in (24, 40, 80):
+                f = next((f for f in fits if (f["model"], f["world"], f["memory_gb"]) == (model, world, gb)), None)
+                cells.append("-" if f is None else f"{f['none_batch']} / **{f['optimal_batch']}**")
+            out.append(f"| {model} | {world} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="llama3-8b,llama3-70b")
@@ -115,7 +151,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-seq", default=4096, type=int)
     ap.add_argument("--max-batch-worlds", default="1,8,64")
     ap.add_argument("--out", default=os.path.join(OUT, "ranks_table.json"))
+    ap.add_argument("--markdown", nargs="+", metavar="JSON", help="print the tables of these result files and stop")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     worlds = [int(w) for w in args.worlds.split(",")]
     rows, fits = [], []
     for name in args.models.split(","):

@@ -38,6 +38,9 @@ def test_solve_json_and_budget(capsys, tmp_path):
         (["solve", "--costs", "example", "--solver", "magic"], "valid solvers"),
         (["profile", "nosuchmodel"], "unknown"),
         (["profile", "nosuchpkg.mod:factory"], "cannot import"),
+        (["estimate", "mlp", "--strategy", "fsdp"], "--strategy needs --world-size"),
+        (["estimate", "mlp", "--world-size", "0"], "world_size must be a positive integer"),
+        (["estimate", "mlp", "--world-size", "2", "--rank", "2"], "rank must be in 0..1"),
     ],
 )
 def test_errors_exit_2_with_message(capsys, argv, match):
@@ -213,3 +216,21 @@ def test_hf_models_from_their_config_class(capsys):
     assert code == 2 and "transformers has no model class 'NoSuchModel'" in err
     code, _, err = run(capsys, "optimize", "hf:GPT2LMHeadModel", "--config", "n_layer")
     assert code == 2 and "--config takes key=value" in err
+
+
+def test_estimate_one_rank_of_ddp_and_fsdp(capsys):
+    """--world-size prices one rank: DDP adds its gradient buckets, FSDP2 shards what the rank holds."""
+    def est(*extra):
+        code, out, _ = run(capsys, "estimate", "gpt", "--batch", "2", "--optimizer", "adam", "--json", *extra)
+        assert code == 0
+        return json.loads(out)
+
+    one, ddp, fsdp = est(), est("--world-size", "4"), est("--world-size", "4", "--strategy", "fsdp")
+    assert ddp["parallel"]["strategy"] == "ddp" and fsdp["parallel"]["world_size"] == 4 and one["parallel"] is None
+    buckets = one["grad_bytes"]  # as large as the trainable parameters
+    assert ddp["no_checkpointing"]["peak_bytes"] == one["no_checkpointing"]["peak_bytes"] + buckets
+    assert ddp["no_checkpointing"]["breakdown"]["parallel"] == buckets
+    assert fsdp["param_bytes"] < one["param_bytes"] / 3
+    assert fsdp["optimal"]["peak_bytes"] < one["optimal"]["peak_bytes"]
+    code, out, _ = run(capsys, "estimate", "gpt", "--batch", "2", "--world-size", "4", "--strategy", "fsdp")
+    assert "one rank of FSDP2, 4 ranks (rank 0 priced)" in out and "parallel buffers" in out
