@@ -246,3 +246,34 @@ def test_every_small_plan_is_predicted_within_a_percent():
     measured = measure_plans_fake(model, batch, tm, scored)
     worst = max(abs(m - p.peak_bytes) / p.peak_bytes for m, p in zip(measured, scored))
     assert worst <= 0.01, worst
+
+
+def test_unpacked_causal_lm_is_captured_without_a_mask_as_eager_mode_runs_it():
+    """A causal LM called without an attention mask: transformers leaves the causal mask out eagerly
+    (SDPA with is_causal=True) once it has read that the position ids are not packed, which a traced
+    model cannot read; the capture makes that check in the graph and takes the eager path, so the step
+    without checkpointing is predicted to the byte (it was over by the float mask each attention layer
+    saved: 8,192 B a layer here, 524,280 B on the 4-layer Llama of the issue). Position ids from the
+    batch could be packed: that capture keeps its mask."""
+    from ckptopt import estimate, simulate, trace
+    from ckptopt.measure import measure_training_step
+    from ckptopt.tracer.capture.packing import MARK
+
+    model, batch = build("LlamaForCausalLM", attention_dropout=0.0)
+    batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    tm = trace(model, batch)
+    sdpa = [n for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and all(n.args[3] is None for n in sdpa)
+    assert any(MARK in n.args[1:] for n in tm.gm.graph.nodes if "_assert_async" in str(n.target))
+    assert simulate(tm.costs, ()).peak_bytes + 8 == measure_peak(model, batch)
+    for opt in ("sgd", "adam"):
+        e = estimate(model, batch, optimizer=opt)
+        assert 0 <= measure_training_step(model, batch, optimizer=opt) - e.no_checkpointing.peak_bytes <= 8
+    assert 0 <= measure_training_step(model, batch, optimizer=opt, checkpoints=e.optimal.checkpoints,
+                                      stored=e.optimal.stored) - e.optimal.peak_bytes <= 8
+
+    ids = batch["input_ids"]
+    packed = torch.arange(ids.shape[1]).remainder(ids.shape[1] // 2).expand_as(ids).contiguous()
+    for positions in (torch.arange(ids.shape[1]).expand_as(ids).contiguous(), packed):
+        tm = trace(model, {**batch, "position_ids": positions})
+        assert all(n.args[3] is not None for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target))
