@@ -277,3 +277,32 @@ def test_unpacked_causal_lm_is_captured_without_a_mask_as_eager_mode_runs_it():
     for positions in (torch.arange(ids.shape[1]).expand_as(ids).contiguous(), packed):
         tm = trace(model, {**batch, "position_ids": positions})
         assert all(n.args[3] is not None for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+
+
+def test_encoder_decoder_masks_are_held_each_for_its_own_stack():
+    """BART hoists three masks: the encoder's (read by the encoder layers) and the decoder's two (causal,
+    cross-attention). Merged into one value, the decoder's were counted through the backward of the first
+    encoder layer, where the plan peaks (2,552 B over here; 81,920 of the 82,936 B of the 6+6-layer BART
+    of benchmarks/hf_families.py). Now the encoder's mask is held apart from the decoder's. (At one layer
+    per stack the plan peaks in fc2's backward, 248 B over: a recomputed segment frees fc2's saved input
+    before autograd sums the bias gradient, plain autograd after; not modelled yet.)"""
+    from ckptopt import solve, trace
+
+    layers = 2
+    cfg = transformers.BartConfig(d_model=64, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                                  max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg).train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 224, (2, 64), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 56:] = 0
+    ids[0, 56:] = 1
+    batch = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(8, 224, (2, 16), generator=gen))
+    tm = trace(model, batch)
+    first_decoder = min(i for i, l in enumerate(tm.layers) if ".decoder." in l.name)
+    early = [t for t in tm.costs.side if t.producer == -1]
+    assert not any(min(t.consumers) < first_decoder <= max(t.consumers) for t in early), early
+    plan = solve(tm.costs, "auto")
+    assert 0 <= measure_peak(model, batch, checkpoints=plan) - plan.peak_bytes <= 8
