@@ -246,3 +246,63 @@ def test_every_small_plan_is_predicted_within_a_percent():
     measured = measure_plans_fake(model, batch, tm, scored)
     worst = max(abs(m - p.peak_bytes) / p.peak_bytes for m, p in zip(measured, scored))
     assert worst <= 0.01, worst
+
+
+def test_unpacked_causal_lm_is_captured_without_a_mask_as_eager_mode_runs_it():
+    """A causal LM called without an attention mask: transformers leaves the causal mask out eagerly
+    (SDPA with is_causal=True) once it has read that the position ids are not packed, which a traced
+    model cannot read; the capture makes that check in the graph and takes the eager path, so the step
+    without checkpointing is predicted to the byte (it was over by the float mask each attention layer
+    saved: 8,192 B a layer here, 524,280 B on the 4-layer Llama of the issue). Position ids from the
+    batch could be packed: that capture keeps its mask."""
+    from ckptopt import estimate, simulate, trace
+    from ckptopt.measure import measure_training_step
+    from ckptopt.tracer.capture.packing import MARK
+
+    model, batch = build("LlamaForCausalLM", attention_dropout=0.0)
+    batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    tm = trace(model, batch)
+    sdpa = [n for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert sdpa and all(n.args[3] is None for n in sdpa)
+    assert any(MARK in n.args[1:] for n in tm.gm.graph.nodes if "_assert_async" in str(n.target))
+    assert simulate(tm.costs, ()).peak_bytes + 8 == measure_peak(model, batch)
+    for opt in ("sgd", "adam"):
+        e = estimate(model, batch, optimizer=opt)
+        assert 0 <= measure_training_step(model, batch, optimizer=opt) - e.no_checkpointing.peak_bytes <= 8
+    assert 0 <= measure_training_step(model, batch, optimizer=opt, checkpoints=e.optimal.checkpoints,
+                                      stored=e.optimal.stored) - e.optimal.peak_bytes <= 8
+
+    ids = batch["input_ids"]
+    packed = torch.arange(ids.shape[1]).remainder(ids.shape[1] // 2).expand_as(ids).contiguous()
+    for positions in (torch.arange(ids.shape[1]).expand_as(ids).contiguous(), packed):
+        tm = trace(model, {**batch, "position_ids": positions})
+        assert all(n.args[3] is not None for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+
+
+def test_encoder_decoder_masks_are_held_each_for_its_own_stack():
+    """BART hoists three masks: the encoder's (read by the encoder layers) and the decoder's two (causal,
+    cross-attention). Merged into one value, the decoder's were counted through the backward of the first
+    encoder layer, where the plan peaks (2,552 B over here; 81,920 of the 82,936 B of the 6+6-layer BART
+    of benchmarks/hf_families.py). Now the encoder's mask is held apart from the decoder's. (At one layer
+    per stack the plan peaks in fc2's backward, 248 B over: a recomputed segment frees fc2's saved input
+    before autograd sums the bias gradient, plain autograd after; not modelled yet.)"""
+    from ckptopt import solve, trace
+
+    layers = 2
+    cfg = transformers.BartConfig(d_model=64, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                                  max_position_embeddings=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(cfg).train()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 224, (2, 64), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 56:] = 0
+    ids[0, 56:] = 1
+    batch = dict(input_ids=ids, attention_mask=mask, labels=torch.randint(8, 224, (2, 16), generator=gen))
+    tm = trace(model, batch)
+    first_decoder = min(i for i, l in enumerate(tm.layers) if ".decoder." in l.name)
+    early = [t for t in tm.costs.side if t.producer == -1]
+    assert not any(min(t.consumers) < first_decoder <= max(t.consumers) for t in early), early
+    plan = solve(tm.costs, "auto")
+    assert 0 <= measure_peak(model, batch, checkpoints=plan) - plan.peak_bytes <= 8

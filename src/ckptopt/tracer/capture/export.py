@@ -53,6 +53,7 @@ from ...fake import device_meta_kernels, idle_module_to
 from ...torch_utils import Inputs
 from .base import Captured
 from .functions import functions_note, opaque_functions
+from .packing import PACKING_NOTE, check_packing, eager_packing
 
 __all__ = ["export_capture"]
 
@@ -180,8 +181,10 @@ def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str
     device = devices.pop() if len(devices) == 1 else "meta"  # (meta: no override)
     held = None
     try:
-        held = _export_once(target, inputs, device, eager=True)
+        held, packing = _export_eager(target, inputs, device)
         if not _reads_values(held[0]):
+            if packing:
+                notes.append(PACKING_NOTE)
             return _shapes_note(held, notes)
     except Exception:  # noqa: BLE001 - exported again as torch.export presents itself
         pass
@@ -199,6 +202,23 @@ def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str
                            f"{'; ' + why if why else ''}", node=type(model).__name__)
         error.fix = why  # what to do, for the message when both front ends fail
         raise error from exc
+
+
+def _export_eager(target: nn.Module, inputs: Inputs, device: str) -> tuple[tuple[Any, bool, str | None], bool]:
+    """:func:`_export_once` on the eager path, with transformers' packed-sequence check taken as in eager
+    mode where sizes alone decide it (:mod:`.packing`): ``(exported, whether it was)``;
+    exported again without it when an assertion reads values, fails at the example's sizes, or the
+    export fails."""
+    with eager_packing() as made:
+        try:
+            exported = _export_once(target, inputs, device, eager=True)
+        except Exception:
+            if not made:
+                raise
+            exported = None
+    if exported is not None and (not made or not check_packing(exported[0], made, inputs)):
+        return exported, bool(made)
+    return _export_once(target, inputs, device, eager=True), False
 
 
 class _StaticFailed(Exception):
