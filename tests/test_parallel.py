@@ -211,3 +211,31 @@ def test_estimate_of_a_transformers_model_prices_its_decoder_layers_as_units():
     assert peaks[1].breakdown.parameters > peaks[2].breakdown.parameters > peaks[8].breakdown.parameters
     assert peaks[2].breakdown.optimizer_state > peaks[8].breakdown.optimizer_state
     assert peaks[8].peak_bytes < peaks[2].peak_bytes
+
+
+def test_fsdp2_at_64_ranks_agrees_with_pytorchs_fsdp_mem_tracker():
+    """PyTorch's own FSDPMemTracker (torch.distributed._tools) on the module optimize_checkpoints shards:
+    the steady-state step's peak is ckptopt's prediction (+ the loss)."""
+    fsdp_mem_tracker = pytest.importorskip("torch.distributed._tools.fsdp2_mem_tracker")
+    from ckptopt import estimate, optimize_checkpoints
+
+    world = 64
+    model, x = make()
+    par = Parallel(world, "fsdp")
+    with fake_world(world, 0):
+        est = estimate(model, x, optimizer="adam", parallel=par)
+        module = optimize_checkpoints(model, x, parallel=par)
+        assert module.plan.checkpoints == est.optimal.checkpoints
+        opt = torch.optim.Adam(module.parameters())
+        peaks = []
+        for _ in range(2):  # the first step allocates the optimizer's state
+            fmt = fsdp_mem_tracker.FSDPMemTracker(module, opt)
+            fmt.track_inputs((x,))
+            with fmt:
+                loss = module(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                del loss
+            peaks.append(fmt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+    assert peaks[1] - est.optimal.peak_bytes == LOSS, (peaks, est.optimal.peak_bytes)
