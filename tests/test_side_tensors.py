@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ckptopt import ChainCosts, InvalidCosts, simulate, solve
 from ckptopt.costs import SideTensor
@@ -53,6 +54,38 @@ def test_exact_programs_against_every_plan(c):
     for point in front:
         assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
         assert plan_recompute(c, point.checkpoints, point.stored) == point.recompute
+        assert point.recompute == min(x[1] for x in scored if x[0] <= point.peak_bytes)
+
+
+@st.composite
+def early_side_costs(draw, max_n: int = 8):
+    """:func:`side_costs` with one to three values made before the first layer (hoisted masks:
+    producer -1, no gradient), each read (and maybe saved) by some later layers."""
+    c = draw(side_costs(max_n=max_n))
+    early = []
+    for _ in range(draw(st.integers(1, 3))):
+        cons = sorted(set(draw(st.lists(st.integers(0, c.n - 1), min_size=1, max_size=3))))
+        savers = tuple(u for u in cons if draw(st.booleans()))
+        early.append(SideTensor(draw(st.integers(0, 100)), -1, tuple(cons), savers, 0, "mask"))
+    d = c.to_dict()
+    d["side"] = d.get("side", []) + [t.to_dict() for t in early]
+    return ChainCosts.from_dict(d)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(early_side_costs())
+def test_exact_programs_with_hoisted_values_against_every_plan(c):
+    """The programs skip the states in which an earlier segment holds a hoisted value none of its
+    readers has reached yet (unreachable: ``streams.unheld_bits``); the optimum and the Pareto front
+    are still those of every plan."""
+    scored = [(simulate(c, p, s).peak_bytes, plan_recompute(c, p, s), p, s) for p, s in plans(c.n)]
+    low = min(x[0] for x in scored if not x[3])
+    for name in ("dp", "dp2"):
+        assert solve(c, name).peak_bytes == low, name
+    value, ck, st_ = streams.lowest_peak(c, allow_stored=True)
+    assert value + c.static == min(x[0] for x in scored) == simulate(c, ck, st_).peak_bytes
+    for point in pareto_front(c, None, allow_stored=True):
+        assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
         assert point.recompute == min(x[1] for x in scored if x[0] <= point.peak_bytes)
 
 

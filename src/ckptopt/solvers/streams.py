@@ -24,7 +24,7 @@ from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recom
 from ..simulator.streams import side_terms, simulate_plan_side
 from .rows import grow
 
-__all__ = ["state_offsets", "dp_side", "pareto_side", "brute_side"]
+__all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
 
 
 def state_offsets(SD, n: int) -> np.ndarray:
@@ -70,8 +70,11 @@ def _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark):
 
 
 @njit(cache=True)
-def dp_side(n, K, SD, off, allow_stored, max_work, fadd, radd, badd, mark):
+def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mark):
     """Lowest peak (without static) and its plan: ``(value, starts_after_0, stored_starts)``.
+
+    ``unheld[l]``: the state bits at ``l`` no plan sets (:func:`unheld_bits`); those states are
+    skipped.
 
     ``allow_stored``: segments other than the last may be left unwrapped (rotor's
     forward-all); otherwise every segment but the last is checkpointed (``dp``'s plan space).
@@ -89,6 +92,8 @@ def dp_side(n, K, SD, off, allow_stored, max_work, fadd, radd, badd, mark):
             if flag and (l == 0 or not allow_stored):
                 continue
             for S in range(1 << nb):
+                if S & unheld[l]:
+                    continue  # (unreachable: V stays BIG)
                 st = off[l] + flag * (1 << nb) + S
                 best = BIG
                 br = -1
@@ -155,7 +160,7 @@ def dp_side(n, K, SD, off, allow_stored, max_work, fadd, radd, badd, mark):
 
 
 @njit(cache=True)
-def pareto_side(n, K, SD, off, Cpre, cap, allow_stored, max_work, fadd, radd, badd, mark):
+def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, fadd, radd, badd, mark):
     """Every plan Pareto-optimal in (peak, recomputation) with relative peak <= cap, over the states
     of :func:`dp_side`. Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
     stored_offsets, complete)`` as :func:`ckptopt.solvers.pareto.pareto_plans` does."""
@@ -183,6 +188,8 @@ def pareto_side(n, K, SD, off, Cpre, cap, allow_stored, max_work, fadd, radd, ba
             for S in range(1 << nb):
                 st = off[l] + flag * (1 << nb) + S
                 first[st] = used
+                if S & unheld[l]:
+                    continue  # (unreachable: no points)
                 m = 0
                 floor = NEG
                 for r in range(l, n):
@@ -342,17 +349,32 @@ def brute_side(n, K, SD, Cpre, fadd, radd, badd, mark):
 # --------------------------------------------------------------------------
 # Python entry points (the arrays every kernel above takes)
 # --------------------------------------------------------------------------
+def unheld_bits(SD, n: int) -> np.ndarray:
+    """``out[l]``: the bits of the state mask at boundary ``l`` that no plan sets. A value made
+    before the first layer (a hoisted mask, producer -1) is held by an earlier segment only once
+    one of its readers ran: before its first reader its bit is always clear, so the states with
+    it set are never reached (BART's decoder masks at every encoder boundary)."""
+    out = np.zeros(n + 1, dtype=np.int64)
+    for l in range(n + 1):
+        b0 = SD.bptr[l]
+        for k in range(SD.bptr[l + 1] - b0):
+            j = SD.blist[b0 + k]
+            if SD.sp[j] < 0 and SD.cu[SD.cptr[j]] >= l:
+                out[l] |= 1 << k
+    return out
+
+
 def _context(costs):
     from ..simulator.streams import side_scratch
 
     SD = costs.side_arrays
-    return SD, state_offsets(SD, costs.n), side_scratch(costs.n, len(costs.side))
+    return SD, state_offsets(SD, costs.n), unheld_bits(SD, costs.n), side_scratch(costs.n, len(costs.side))
 
 
 def lowest_peak(costs, allow_stored: bool = False) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """``(peak without static, checkpoints, stored)`` of the lowest-peak plan (exact)."""
-    SD, off, scratch = _context(costs)
-    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, bool(allow_stored), 0, *scratch)
+    SD, off, unheld, scratch = _context(costs)
+    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, bool(allow_stored), 0, *scratch)
     return int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored)
 
 
@@ -360,15 +382,15 @@ def solves_within(costs, max_work: int) -> bool:
     """Whether :func:`lowest_peak` finishes within ``max_work`` (segment layers scored): the
     side-tensor program is O(n^3 2^k) when nothing prunes (a peak in the loss), far less when
     the saved-bytes bound does, which only the costs tell."""
-    SD, off, scratch = _context(costs)
-    value, _, _ = dp_side(costs.n, costs.kernel_arrays, SD, off, False, int(max_work), *scratch)
+    SD, off, unheld, scratch = _context(costs)
+    value, _, _ = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, False, int(max_work), *scratch)
     return int(value) != NEG
 
 
 def front(costs, cap: int, allow_stored: bool, max_work: int):
     """The arrays of :func:`pareto_side` (relative cap)."""
-    SD, off, scratch = _context(costs)
-    return pareto_side(costs.n, costs.kernel_arrays, SD, off, costs.compute_prefix, int(cap), bool(allow_stored),
+    SD, off, unheld, scratch = _context(costs)
+    return pareto_side(costs.n, costs.kernel_arrays, SD, off, unheld, costs.compute_prefix, int(cap), bool(allow_stored),
                        int(max_work), *scratch)
 
 
