@@ -13,9 +13,12 @@ __all__ = ["BRUTE_MAX_N", "SIDE_AUTO_MAX_WORK", "DP_ROUTINE_MAX_N", "AUTO_EXACT_
 BRUTE_MAX_N = 20
 
 #: ``trace``'s default tries the exact side-tensor program on the costs of each crossing (8, 4, 2,
-#: 1 tensors per cut) and takes the first it solves within this much work (segment layers scored,
-#: about 11 million a second here): HrmText (a recurrent LM, 407 layers at 2) needs 0.2 million, at
-#: 4 (1,895 layers) 86 million, 8 s.
+#: 1 tensors per cut) and takes the first it solves within this much work (layer passes,
+#: :func:`ckptopt.solvers.streams.dp_side`; about 10 million a second here): HrmText (a recurrent
+#: LM, 407 layers at 2) needs 0.2 million, at 4 (1,895 layers) 86 million, 8 s (both counted mask
+#: by mask, before segments were scored for every mask at once); the diffusers UNet at 8 (346
+#: layers) 3.6 million, 0.3 s (20-40 million mask by mask: it was narrowed to 4, and its optimal
+#: peak rose from 200.6 to 334.6 MiB).
 SIDE_AUTO_MAX_WORK = 20_000_000
 #: The CLI runs the O(n^3) ``dp`` by default only up to this size (about 0.5 s at n = 1,000).
 DP_ROUTINE_MAX_N = 2_000
