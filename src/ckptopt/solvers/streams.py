@@ -337,6 +337,8 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd
     side tensors. A suffix point above ``cap - H[st]`` is in no plan within the cap. A forward pass
     over the states, each segment scored as in :func:`dp_side`; ``work`` is ``-1`` past ``max_work``."""
     total = off[n + 1]
+    if cap >= BIG // 2:  # no cap: nothing to prune, every state may be reached
+        return np.zeros(total, dtype=np.int64), np.int64(0)
     H = np.full(total, BIG, dtype=np.int64)
     H[off[0]] = 0
     work = 0
