@@ -125,3 +125,145 @@ def test_timeline_peak_is_the_simulated_peak(c):
     for plan, stored in plans(c.n):
         events = simulate_timeline(c, plan, stored)
         assert max(e.bytes for e in events) == simulate(c, plan, stored).peak_bytes, (plan, stored)
+
+
+@st.composite
+def wide_side_costs(draw, max_n: int = 9):
+    """:func:`side_costs` with up to six side tensors open at a boundary (up to eight in all),
+    hoisted values included, so that the mask programs see many states per boundary."""
+    from .common.strategies import side_tensors
+
+    c = draw(side_costs(max_n=max_n))
+    hi = draw(st.sampled_from([3, 20, 100]))
+    side = draw(side_tensors(c.n, hi, max_side=8, max_open=6))
+    early = []
+    for _ in range(draw(st.integers(0, 2))):
+        cons = sorted(set(draw(st.lists(st.integers(0, c.n - 1), min_size=1, max_size=3))))
+        early.append(SideTensor(draw(st.integers(0, hi)), -1, tuple(cons),
+                                tuple(u for u in cons if draw(st.booleans())), 0, "mask"))
+    d = c.to_dict()
+    d["side"] = [t.to_dict() for t in side + early]
+    try:
+        return ChainCosts.from_dict(d)
+    except InvalidCosts:  # (too many open at a boundary with the hoisted values)
+        d["side"] = [t.to_dict() for t in side]
+        return ChainCosts.from_dict(d)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(wide_side_costs())
+def test_segment_terms_are_the_terms_of_segment_peak_add(c):
+    """``segment_terms`` lists the terms whose maximum ``segment_peak_add`` takes: the same rules (a
+    rule changed in one and not the other fails here)."""
+    import numpy as np
+
+    from ckptopt.simulator.kernels import NEG, segment_peak_add, segment_terms
+    from ckptopt.simulator.streams import side_scratch, side_terms
+
+    K, SD = c.kernel_arrays, c.side_arrays
+    fadd, radd, badd, mark = side_scratch(c.n, len(c.side))
+    out = np.zeros(3 * c.n + 4, dtype=np.int64)
+    for l in range(c.n):
+        nb = int(SD.bptr[l + 1] - SD.bptr[l])
+        for r in range(l, c.n):
+            for unwrapped in (False, True):
+                for prev_keeps in (False, True):
+                    for S in {0, (1 << nb) - 1, 5 % (1 << nb)}:
+                        side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark)
+                        live_in = int(K.ck[l]) // 2 if l > 0 else 0
+                        top = segment_peak_add(l, r, unwrapped, True, K, live_in, prev_keeps, fadd, radd, badd, True)[0]
+                        segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out)
+                        w = r - l + 1
+                        assert max(out[:3 * w]) == top != NEG, (l, r, unwrapped, prev_keeps, S)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(wide_side_costs())
+def test_segments_scored_for_every_mask_at_once(c):
+    """``_segment_masks`` (every state mask at once, each side tensor's addends taken apart) gives
+    ``_segment``'s (checkpoint, peak, held bytes, next mask) for every mask, every segment, kind and flag."""
+    import numpy as np
+
+    from ckptopt.solvers.streams import _context, _segment, _segment_masks
+
+    SD, off, unheld, scratch = _context(c)
+    fadd, radd, badd, mark, ws = scratch
+    ns = ws[9].shape[0]
+    Dm, Hm, S2m = (np.zeros(ns, dtype=np.int64) for _ in range(3))
+    K = c.kernel_arrays
+    for l in range(c.n):
+        nb = int(SD.bptr[l + 1] - SD.bptr[l])
+        for r in range(l, c.n):
+            for kind in (0, 1, 2):
+                for flag in (0, 1):
+                    cm = _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dm, Hm, S2m)
+                    for S in range(1 << nb):
+                        want = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
+                        assert (cm, Dm[S], Hm[S], S2m[S]) == tuple(want), (l, r, kind, flag, S)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(wide_side_costs(max_n=7))
+def test_mask_programs_against_every_plan_with_many_open(c):
+    """The programs with many side tensors open at once (the mask path of dp_side and pareto_side):
+    the optimum and the Pareto front are those of every plan."""
+    scored = [(simulate(c, p, s).peak_bytes, plan_recompute(c, p, s), p, s) for p, s in plans(c.n)]
+    low = min(x[0] for x in scored if not x[3])
+    assert solve(c, "dp2").peak_bytes == low
+    value, ck, st_ = streams.lowest_peak(c, allow_stored=True)
+    assert value + c.static == min(x[0] for x in scored) == simulate(c, ck, st_).peak_bytes
+    for point in pareto_front(c, None, allow_stored=True):
+        assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
+        assert point.recompute == min(x[1] for x in scored if x[0] <= point.peak_bytes)
+
+
+def _diffusers_unet_costs():
+    """The cost model of ``benchmarks/diffusers_models.py``'s UNet2DConditionModel traced at 8 tensors
+    per cut (346 layers, 106 side tensors, up to 8 open at a boundary; ``trace(..., max_crossing=8)``)."""
+    import gzip
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent / "data" / "diffusers_unet_8_per_cut.json.gz"
+    with gzip.open(path, "rt") as fh:
+        return ChainCosts.from_json(fh.read())
+
+
+def test_skip_heavy_model_solves_within_the_tracers_trial():
+    """The diffusers UNet at 8 tensors per cut: scored mask by mask, the side program needed 20-40
+    million layer passes (3-5 s), past the tracer's trial limit, so trace's default fell back to 4 per
+    cut and a 540-node middle layer (optimal peak 334.6 MiB against 200.6 MiB; RESULTS.md). Scored for
+    every mask at once it fits the trial, and the trial's answer is the solve's."""
+    import time
+
+    from ckptopt.solvers.limits import SIDE_AUTO_MAX_WORK
+
+    c = _diffusers_unet_costs()
+    t0 = time.perf_counter()
+    assert streams.solves_within(c, SIDE_AUTO_MAX_WORK)
+    assert not streams.solves_within(c, 1_000_000)  # (the limit still means something)
+    plan = solve(c, "dp2")
+    assert plan.peak_bytes == 210_295_600 == simulate(c, plan.checkpoints).peak_bytes
+    assert time.perf_counter() - t0 < 60
+
+
+def test_budget_solver_on_a_large_front_is_bounded():
+    """At diffusers' own peak as the budget, the exact Pareto front of that UNet took 251 s (and more
+    than 25 minutes before the masks were scored at once): the ``budget`` solver stops the exact program
+    at its work limit and takes the approximate front's plan, which fits, with a warning; a budget
+    below the lowest peak is refused at once with it."""
+    import time
+
+    from ckptopt import InfeasibleBudget
+    from ckptopt.simulator import plan_recompute as recompute
+
+    c = _diffusers_unet_costs()
+    budget = 256_899_896
+    t0 = time.perf_counter()
+    with pytest.warns(UserWarning, match="approximate front"):
+        plan = solve(c, "budget", budget=budget)
+    assert plan.peak_bytes <= budget and plan.solver == "budget~"
+    assert time.perf_counter() - t0 < 120
+    lowest = solve(c, "dp2")
+    assert recompute(c, plan.checkpoints, plan.stored) < recompute(c, lowest.checkpoints) / 4
+    with pytest.raises(InfeasibleBudget, match="210295600"):
+        solve(c, "budget", budget=lowest.peak_bytes - 1)

@@ -39,7 +39,7 @@ from numba import njit
 from ..costs import KernelArrays
 
 __all__ = ["NEG", "BIG", "first_saving", "held_checkpoint", "recompute_span", "segment_peak", "segment_peak_add",
-           "simulate_plan", "plan_recompute", "warmup"]
+           "segment_terms", "simulate_plan", "plan_recompute", "warmup"]
 
 #: The files whose kernels numba caches on disk (``cache=True``); they call each other.
 COMPILED_SOURCES = ("simulator/kernels.py", "simulator/streams.py", "solvers/streams.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
@@ -212,6 +212,50 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         if v > best:
             best, phase, layer = v, 2, i
     return best, phase, layer
+
+
+@njit(cache=True)
+def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out):
+    """Every term of :func:`segment_peak_add` (full form, with the addends), one by one: ``out[i - l]``
+    the forward term of layer ``i``, ``out[w + i - l]`` its recomputation term, ``out[2 w + i - l]``
+    its backward term (``w = r - l + 1``; ``NEG`` where a layer has no such term). Their maximum is
+    ``segment_peak_add``'s peak (``tests/test_side_tensors.py`` checks it on random models: a rule
+    changed there must be changed here). The side-tensor programs take each term apart by side
+    tensor (:mod:`ckptopt.solvers.streams`). O(r - l)."""
+    w = r - l + 1
+    for t in range(3 * w):
+        out[t] = NEG
+    Pl = K.P[l]
+    out[0] = K.f[l] + live_in + fadd[l]
+    trigger = r
+    if unwrapped:
+        for i in range(l + 1, r + 1):
+            out[i - l] = K.P[i] - Pl + K.qf[i] + fadd[i]
+    else:
+        for i in range(l + 1, r + 1):
+            out[i - l] = K.fw[i] + fadd[i]
+        trigger, e, partial = recompute_span(l, r, K)
+        base = K.rb[r]
+        for i in range(l, e + 1):
+            stop = partial and i == e
+            if i == l:
+                v = base + (K.fs[l] if stop else K.f[l])
+            else:
+                v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
+            out[w + i - l] = v + radd[i]
+    freed_before = l
+    if not unwrapped and l > 0 and not prev_keeps:
+        freed_before = first_saving(l, r, K)
+        if freed_before > r:
+            freed_before = l
+    for i in range(r, l - 1, -1):
+        q = K.qb[i]
+        if i == l and l > 0 and not prev_keeps:
+            q = K.qbf[i] if unwrapped else K.qbk[i]
+        v = K.P[i] - Pl + q if i <= trigger else q
+        if i < freed_before:
+            v -= K.ck[l]
+        out[2 * w + i - l] = v + badd[i]
 
 
 @njit(cache=True)

@@ -33,7 +33,7 @@ from numba import njit
 
 from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
-__all__ = ["side_terms", "simulate_plan_side", "side_scratch"]
+__all__ = ["side_terms", "side_terms_frame", "simulate_plan_side", "side_scratch"]
 
 
 def side_scratch(n: int, ns: int):
@@ -105,6 +105,17 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
     ``badd`` over ``l..r``. Returns ``(held, S2)``: the bytes this segment starts to hold
     for every later segment, and the mask at ``r + 1``. O(r - l + the side tensors' reads).
     """
+    held, S2, frame, fsv = side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, True)
+    return held, S2
+
+
+@njit(cache=True)
+def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_frame):
+    """:func:`side_terms`, also returning ``(held, S2, frame, fsv)``: the side bytes a checkpointed
+    segment's frame holds, let go in the backward of its first saving layer ``fsv``. With
+    ``apply_frame`` False that release (:func:`_frame_add`, not linear in ``frame``) is left out of
+    ``badd``: every other addend is a sum over the side tensors, which the mask programs of
+    :mod:`ckptopt.solvers.streams` take apart tensor by tensor."""
     for i in range(l, r + 1):
         fadd[i] = 0
         radd[i] = 0
@@ -183,7 +194,7 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
                         badd[rho] += _release_add(SD, j, rho, sa)
-    if frame:
+    if frame and apply_frame:
         badd[fsv] += _frame_add(SD, fsv, frame)
     # the mask at r + 1, and the marks cleared
     S2 = 0
@@ -196,7 +207,7 @@ def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
     for p in range(l, r + 1):
         for q in range(SD.optr[p], SD.optr[p + 1]):
             mark[SD.olist[q]] = 0
-    return held, S2
+    return held, S2, frame, fsv
 
 
 @njit(cache=True)

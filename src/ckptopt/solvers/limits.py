@@ -7,15 +7,18 @@ Each figure is where a solver or a pass stops being worth its time on a
 from __future__ import annotations
 
 __all__ = ["BRUTE_MAX_N", "SIDE_AUTO_MAX_WORK", "DP_ROUTINE_MAX_N", "AUTO_EXACT_MAX_N", "TIE_BREAK_MAX_WORK", "FRONT_FALLBACK_MAX_N",
-           "within_tie_break"]
+           "BUDGET_SIDE_MAX_WORK", "BUDGET_SIDE_BUCKETS", "within_tie_break"]
 
 #: ``brute`` tries all 2^(n-1) plans and refuses larger instances.
 BRUTE_MAX_N = 20
 
 #: ``trace``'s default tries the exact side-tensor program on the costs of each crossing (8, 4, 2,
-#: 1 tensors per cut) and takes the first it solves within this much work (segment layers scored,
-#: about 11 million a second here): HrmText (a recurrent LM, 407 layers at 2) needs 0.2 million, at
-#: 4 (1,895 layers) 86 million, 8 s.
+#: 1 tensors per cut) and takes the first it solves within this much work (layer passes,
+#: :func:`ckptopt.solvers.streams.dp_side`; about 10 million a second here): HrmText (a recurrent
+#: LM, 407 layers at 2) needs 0.2 million, at 4 (1,895 layers) 86 million, 8 s (both counted mask
+#: by mask, before segments were scored for every mask at once); the diffusers UNet at 8 (346
+#: layers) 3.6 million, 0.3 s (20-40 million mask by mask: it was narrowed to 4, and its optimal
+#: peak rose from 200.6 to 334.6 MiB).
 SIDE_AUTO_MAX_WORK = 20_000_000
 #: The CLI runs the O(n^3) ``dp`` by default only up to this size (about 0.5 s at n = 1,000).
 DP_ROUTINE_MAX_N = 2_000
@@ -37,3 +40,15 @@ def within_tie_break(n: int) -> bool:
     """Whether the bounded O(n^2 F) passes run at all for ``n`` layers: beyond about 2,800
     layers their O(n^2) part alone would pass :data:`TIE_BREAK_MAX_WORK`."""
     return n * n <= 4 * TIE_BREAK_MAX_WORK
+
+
+#: The ``budget`` solver on a model with side tensors: work limit of its exact Pareto program (segment
+#: layers scored and points made, as ``TIE_BREAK_MAX_WORK``; 10-20 million a second here). The front
+#: of a skip-heavy model can be large: a diffusers UNet of 346 layers, at a budget 22% above its lowest
+#: peak, has 1,263 points at the first layer and took 251 s uncapped.
+BUDGET_SIDE_MAX_WORK = 20 * TIE_BREAK_MAX_WORK
+
+#: Past that limit, an approximate program keeps, per state, one point per 1/128 of the budget (the
+#: one that recomputes least), within 8 times the work (then the lowest-peak plan). On that UNet: 7 s,
+#: 1.4% more recomputation than the exact front's plan (256 buckets: 8 s, 0.003%).
+BUDGET_SIDE_BUCKETS = 128

@@ -42,7 +42,7 @@ class FrontTooLarge(Exception):
 
 
 def pareto_front(
-    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0
+    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0, grain: int = 0
 ) -> list[FrontPoint]:
     """Every plan that is Pareto-optimal in (peak, recomputation).
 
@@ -60,6 +60,12 @@ def pareto_front(
         With False, every segment but the last is checkpointed, the plans
         of ``dp``, ``dp2`` and ``linear``. Ignored for the additive form,
         which does not say what a layer keeps of what it produces.
+    grain : int
+        Internal, with side tensors only (ignored otherwise): > 0 gives an
+        approximate front of bounded size, each state of the program keeping
+        one point per ``grain`` bytes of peak (the one that recomputes least;
+        :func:`ckptopt.solvers.streams.pareto_side`). Its plans and figures are
+        real; a plan with less recomputation may be missing.
 
     Returns
     -------
@@ -80,7 +86,7 @@ def pareto_front(
     if costs.has_side:  # over (layer, flag, held side tensors) states (ckptopt.solvers.streams)
         from .streams import front
 
-        peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work)
+        peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work, grain)
     else:
         peaks, recs, flat, offsets, sflat, soffsets, complete = pareto_plans(
             costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix, cap,
@@ -120,11 +126,12 @@ def merge_unwrapped(checkpoints: tuple[int, ...], stored: tuple[int, ...]) -> tu
 
 
 def least_recompute(
-    costs: ChainCosts, max_peak: int, allow_stored: bool = True, max_work: int = 0
+    costs: ChainCosts, max_peak: int, allow_stored: bool = True, max_work: int = 0, grain: int = 0
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """``(checkpoints, stored)`` of the plan with the least recomputation whose peak is at most
-    ``max_peak`` (the lowest such peak among ties); None if no plan fits."""
-    front = pareto_front(costs, max_peak, allow_stored, max_work)
+    ``max_peak`` (the lowest such peak among ties); None if no plan fits (``grain``: see
+    :func:`pareto_front`)."""
+    front = pareto_front(costs, max_peak, allow_stored, max_work, grain)
     return (front[-1].checkpoints, front[-1].stored) if front else None
 
 

@@ -16,13 +16,15 @@ and the planning helpers (through ``solve(costs, "auto", budget)``):
 from __future__ import annotations
 
 import time
+import warnings
 
 from ..costs import ChainCosts
 from ..errors import InfeasibleBudget
 from ..plan import Plan, Solution
 from ..simulator import plan_recompute, simulate
 from .exact import dp2
-from .limits import AUTO_EXACT_MAX_N, FRONT_FALLBACK_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
+from .limits import (AUTO_EXACT_MAX_N, BUDGET_SIDE_BUCKETS, BUDGET_SIDE_MAX_WORK, FRONT_FALLBACK_MAX_N, TIE_BREAK_MAX_WORK,
+                     within_tie_break)
 from .linear import linear
 from .pareto import FrontPoint, FrontTooLarge, least_recompute, pareto_front
 
@@ -32,7 +34,9 @@ __all__ = ["auto", "budget", "improve_with_stored"]
 def budget(costs: ChainCosts, limit: int | None) -> Solution:
     """The ``budget`` solver: least recomputation among plans peaking at most ``limit`` (exact).
 
-    Plans may leave middle segments unwrapped (:attr:`Plan.stored`).
+    Plans may leave middle segments unwrapped (:attr:`Plan.stored`). With side tensors the
+    program is bounded (:func:`_budget_side`): past its work limit the plan (label ``"budget~"``,
+    with a warning) fits but may recompute more than the least.
 
     Raises
     ------
@@ -43,6 +47,8 @@ def budget(costs: ChainCosts, limit: int | None) -> Solution:
     """
     if limit is None:
         raise ValueError("solver 'budget' needs a memory budget: solve(costs, 'budget', budget=BYTES)")
+    if costs.has_side:
+        return _budget_side(costs, limit)
     found = least_recompute(costs, limit)
     if found is None:
         if costs.n <= FRONT_FALLBACK_MAX_N:
@@ -51,6 +57,42 @@ def budget(costs: ChainCosts, limit: int | None) -> Solution:
             lowest = dp2(costs).optimum
         raise InfeasibleBudget(limit, lowest)
     return Solution(found[0], None, found[1], "budget")
+
+
+def _budget_side(costs: ChainCosts, limit: int) -> Solution:
+    """:func:`budget` with side tensors, bounded: the exact Pareto program up to
+    ``BUDGET_SIDE_MAX_WORK``; past it, the approximate one (each state keeps one point per
+    ``1/BUDGET_SIDE_BUCKETS`` of the budget: its plan fits, it may recompute more than the least),
+    with a warning; past that too, the lowest-peak plan. The lowest peak (exact, the side program
+    with stored segments) decides first whether any plan fits."""
+    from .streams import lowest_peak
+
+    value, checkpoints, stored = lowest_peak(costs, allow_stored=True)
+    lowest = value + costs.static
+    if lowest > limit:
+        raise InfeasibleBudget(limit, lowest)
+    try:
+        found = least_recompute(costs, limit, max_work=BUDGET_SIDE_MAX_WORK)
+        label = "budget"
+    except FrontTooLarge:
+        grain = max(1, (limit - costs.static) // BUDGET_SIDE_BUCKETS)
+        label = "budget~"
+        try:
+            found = least_recompute(costs, limit, max_work=8 * BUDGET_SIDE_MAX_WORK, grain=grain)
+            how = f"an approximate front (one point per {BUDGET_SIDE_BUCKETS}th of the budget and state)"
+        except FrontTooLarge:
+            found = None
+        if found is None:
+            found = (checkpoints, stored)
+            how = "the lowest-peak plan"
+        warnings.warn(
+            f"the exact least-recomputation program under this budget passed its work limit "
+            f"({BUDGET_SIDE_MAX_WORK:,}: many (peak, recomputation) trade-offs on {costs.n} layers with side "
+            f"tensors); the plan is from {how}: it fits the budget, but a plan that recomputes less may exist",
+            stacklevel=4)
+    if found is None:  # (cannot happen: the lowest-peak plan fits)
+        found = (checkpoints, stored)
+    return Solution(found[0], None, found[1], label)
 
 
 def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],

@@ -75,7 +75,8 @@ SOLVERS: Mapping[str, SolverInfo] = {
         SolverInfo("dp2", lambda c, a, b: exact.dp2(c), "full", "exact O(n^2) dynamic program"),
         SolverInfo("linear", lambda c, a, b: linear.linear(c), "additive", "O(n); exact for the additive form"),
         SolverInfo("budget", lambda c, a, b: policy.budget(c, b), "full",
-                   "least recomputation with peak <= budget (needs budget=); exact", plans_within_budget=True),
+                   "least recomputation with peak <= budget (needs budget=); exact (with side tensors up to a work "
+                   "limit, then a plan that fits)", plans_within_budget=True),
         SolverInfo("none", _baseline(baselines.none), "", "no checkpointing"),
         SolverInfo("every", _baseline(baselines.every), "", "checkpoint every layer"),
         SolverInfo("sqrt", _baseline(baselines.sqrt), "", "Chen's sqrt(n) segments, uniform by layer count"),

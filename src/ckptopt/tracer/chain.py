@@ -177,8 +177,9 @@ def trace(
         after it (docs/design.md §4): the chain tensor and up to ``max_crossing - 1``
         side tensors (an encoder output read by every decoder layer, a skip connection,
         a second tower's input). 1 gives the single-tensor chain. Default: 8, halved (4, 2,
-        1) while the model would have more than 300 layers (the exact side-tensor program
-        can take minutes there; ``capture.notes`` says so).
+        1) while the model would have more than 1,000 layers or a trial run of the exact
+        side-tensor program on its costs does not finish within ``SIDE_AUTO_MAX_WORK``
+        (about 2 s; it can take minutes where nothing prunes; ``capture.notes`` says so).
 
     Returns
     -------
@@ -340,7 +341,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         if not (auto and max_crossing > 1 and costs.side and not solves_within(costs, SIDE_AUTO_MAX_WORK)):
             break
         why = (f"the exact side-tensor program over its {costs.n} layers at {max_crossing} would not finish "
-               f"in seconds (more than {SIDE_AUTO_MAX_WORK:,} segment layers to score)")
+               f"in seconds (more than {SIDE_AUTO_MAX_WORK:,} layer passes)")
         max_crossing //= 2
         groups, hoisted = layer_groups(max_crossing)
     if max_crossing < MAX_CROSSING and auto:
