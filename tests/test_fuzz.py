@@ -43,9 +43,10 @@ from ckptopt.measure import measure_peak
 from ckptopt.solvers import improve_with_stored
 from ckptopt.tracer import trace
 
-from .common.fuzz import Node, Spec, build, specs
+from .common.fuzz import Node, Spec, build, specs, stream_specs
 
 FAST_EXAMPLES = 5
+FAST_STREAM_EXAMPLES = 4
 LONG = os.environ.get("CKPTOPT_FUZZ", "") == "long"
 LONG_EXAMPLES = int(os.environ.get("CKPTOPT_FUZZ_N", "400"))
 STEPS = 2  # a second step catches a BatchNorm statistic updated twice
@@ -178,6 +179,23 @@ def test_random_models_train_identically(spec):
 @settings(max_examples=LONG_EXAMPLES, derandomize=False, database=None, **_SETTINGS)
 @given(spec=specs(max_nodes=14))
 def test_random_models_long_profile(spec):
+    check_random_model(spec)
+
+
+# Models where several tensors cross layer boundaries (tests/common/fuzz.py, stream_specs: two
+# towers joined at the end, an encoder output every decoder step reads, long skips), traced with
+# trace's default cuts (several tensors per cut, docs/design.md §4): the side-tensor solvers agree
+# with brute force, the plans train identically and peak where predicted.
+@settings(max_examples=LONG_EXAMPLES if LONG else FAST_STREAM_EXAMPLES, **_SETTINGS)
+@given(spec=stream_specs())
+def test_random_stream_models_train_identically(spec):
+    check_random_model(spec)
+
+
+@pytest.mark.fuzz
+@settings(max_examples=LONG_EXAMPLES, derandomize=False, database=None, **_SETTINGS)
+@given(spec=stream_specs(max_len=8))
+def test_random_stream_models_long_profile(spec):
     check_random_model(spec)
 
 
