@@ -317,7 +317,8 @@ def stream_specs(draw, max_len: int = 6) -> Spec:
     else:
         out = add(draw(st.sampled_from(unary)), (0,))
         for _ in range(draw(st.integers(2, max_len + 2))):
-            back = [j for j in range(1, out - 1)]
+            # (a concatenation's own output is twice as wide: only the layer after it is joined)
+            back = [j for j in range(1, out - 1) if nodes[j - 1].op != "cat"]
             if back and draw(st.integers(0, 9)) < 4:
                 out = join(out, draw(st.sampled_from(back)))
             else:
