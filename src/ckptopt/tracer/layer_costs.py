@@ -593,8 +593,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 frame = _split(series, k0, _gone_at(released_keys, alive_keys, None))
                 side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                  if alive_keys.get(key) else None) for key in side_ptrs]
-                side_out_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
-                                     if alive_keys.get(key) else None) for key in side_y_ptrs]
+                # a side output the layer saves is in the backward's starting bytes (unlike a side
+                # input, nothing but the saved reference holds it here, as in the model, where the
+                # producer's backward comes last): counted whole on top of b, released or not
+                top = max(series)
+                side_out_release = [(top, top) if alive_keys.get(key) else None for key in side_y_ptrs]
                 static_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                    if key is not None and alive_keys.get(key) else None) for key in static_keys]
                 # the output gradient held to the end of the backward (a side tensor's gradient
