@@ -588,3 +588,25 @@ def test_regression_a_side_output_its_producer_saves_is_counted_through_the_prod
     assert side.producer == 0 and 0 in side.saved_by and tm.costs.a[0] == 0
     _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 3), (2, 4), (1, 2, 3, 4)])
     check_random_model(REGRESSION_SAVED_SIDE_OUTPUT)
+
+# Found by benchmarks/exactness_fuzz.py (issue 19's run, under-predicted by 520 B on every plan of
+# its model): a side tensor (the BatchNorm output) read by a convolution (layer 1) and by the
+# concatenation after it (layer 2), whose backward hands layer 1's output and the side tensor two
+# slices of one gradient. Layer 1 adds the side tensor's next contribution, summed out of place at
+# the end of its backward: the concatenation's gradient lives until then, through the convolution's
+# backward. The measurement handed the side input a pending gradient of its own (zeros), so b
+# assumed the output gradient freed once used: it now hands a slice of the output gradient's storage
+# (the second measuring pass, as for outputs sharing one gradient storage).
+REGRESSION_PENDING_SIDE_GRADIENT_VIEW = Spec(family='conv', dtype='float32', batch=1, shape=(1, 4, 4),
+    nodes=(Node(op='bn', inputs=(0,)), Node(op='conv3', inputs=(1,), width=1, inplace='relu_'),
+           Node(op='cat', inputs=(1, 2))), classes=1)
+
+
+def test_regression_a_side_gradient_viewing_the_output_gradient_lives_until_the_next_contribution():
+    model, x = build(REGRESSION_PENDING_SIDE_GRADIENT_VIEW)
+    model.train()
+    tm = trace(model, (x,))
+    (side,) = tm.costs.side
+    assert side.consumers == (1, 2) and side.grad_view == tm.costs.groot[1] == 2 and side.grad_split == 1
+    _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 2), (1, 3, 4), (1, 2, 3, 4, 5)])
+    check_random_model(REGRESSION_PENDING_SIDE_GRADIENT_VIEW)

@@ -288,6 +288,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
         later layers read. Their gradients are injected with the chain output's and left
         out of ``b`` like it; the simulator counts them.
+    shared_out_grads : iterable of (members, nbytes), optional
+        Outputs (0 the chain output, then the side outputs) whose gradients are views of one
+        storage of ``nbytes`` in the model (a later concatenation's or addition's); a member
+        ``("in", k)`` is side input ``k``, whose pending gradient is a view of that storage too
+        (it then lives until this layer's contribution is summed in).
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -528,15 +533,23 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     side_injects = []
                     roots = []
                     grouped: set[int] = set()
+                    reached = reachable([o for o in outs_all if o.requires_grad])
+                    # a pending side gradient that is a view of an output's gradient storage (("in", k)
+                    # in a group): handed out with it, so the storage lives until the sum, as in the model
+                    pending_in_group: set[int] = set()
                     for members, nbytes in shared_out_grads:
-                        members = [k for k in members if outs_all[k].requires_grad]
-                        if len(members) < 2:
+                        ins = [k[1] for k in members if isinstance(k, tuple) and side_pending[k[1]]
+                               and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
+                        members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad]
+                        if len(members) + len(ins) < 2 or not members:
                             continue
                         rec = record if y is not None and 0 in members else {}
                         if rec is not record:
                             side_injects.append(rec)
-                        roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members]))
+                        roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members],
+                                                       *[sides[k] for k in ins]))
                         grouped |= set(members)
+                        pending_in_group |= set(ins)
                     for k in range(len(outs_all)):
                         if k in grouped or not outs_all[k].requires_grad:
                             continue
@@ -550,9 +563,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
                     # created last, so run first: the gradient a later layer already made (only
                     # for a side input the layer's backward reaches: one it reads the size of gets none)
-                    reached = reachable([o for o in outs_all if o.requires_grad])
-                    roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
-                              if p and t.requires_grad and t.grad_fn in reached]
+                    roots += [_Pending.apply(t, side_record) for k, (t, p) in enumerate(zip(sides, side_pending))
+                              if p and t.requires_grad and t.grad_fn in reached and k not in pending_in_group]
                     del reached  # (autograd nodes: holding them keeps what they hold)
                 held_input = x  # held through the backward; see _backward_peaks for the other cases
                 held_sides = sides
@@ -578,6 +590,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 out_grads = record.get("grad_bytes", 0)
                 # the output's own gradient (a view output's is the view's size, not its storage's)
                 ga = min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else a
+                out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
                 pending += side_record.get("pending", 0)
@@ -630,8 +643,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         bk=int(peaks[2] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
-        # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller
-        rg=int(max(0, first_unpack[0] - backward_start - pending) - ga + a) if first_unpack else int(a),
+        # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
+        # storage shared with other gradients (shared_out_grads) larger: the model counts g for it
+        rg=int(max(0, first_unpack[0] - backward_start - pending) - (out_main or ga) + a) if first_unpack else int(a),
         ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),

@@ -379,18 +379,29 @@ def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tu
 def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: list[int],
                          grad_root: list[int]) -> tuple:
     """Groups of layer ``j``'s outputs (0 the chain output, then its side outputs) whose gradients are
-    one storage when its backward runs, with that storage's bytes (only groups of two or more)."""
-    if not io.side_out:
-        return ()
+    one storage when its backward runs, with that storage's bytes (only groups of two or more).
+
+    A group may also hold ``("in", k)``: side input ``k``, whose gradient a later consumer already
+    made as a view of that same storage (a concatenation after layer ``j`` hands a slice to its
+    output and one to the side tensor, and layer ``j`` adds the next contribution, ``grad_split``):
+    the storage then lives until layer ``j``'s contribution is summed in, not only while its own
+    output gradient is used."""
     keys: list[tuple] = [("view", grad_root[j])] if io.main_out is not None else []
     keys += [side[t].grad_storage(j)[0] if side[t].grad_bytes else ("none", t) for t in io.side_out]
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list] = {}
     for k, key in enumerate(keys):
         groups.setdefault(key, []).append(k)
+    for k, t in enumerate(io.side_in):
+        st = side[t]
+        if st.grad_bytes and st.grad_view >= 0 and st.grad_split == j and st.grad_last > j:
+            key = st.grad_storage(j)[0]
+            if key[0] == "view" and key in groups:  # (one of its outputs' gradients views it too)
+                groups[key].append(("in", k))
     out = []
     for key, members in groups.items():
         if len(members) > 1 and key[0] == "view":
             sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
+            sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
     return tuple(out)
 
