@@ -589,6 +589,7 @@ def test_regression_a_side_output_its_producer_saves_is_counted_through_the_prod
     _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 3), (2, 4), (1, 2, 3, 4)])
     check_random_model(REGRESSION_SAVED_SIDE_OUTPUT)
 
+
 # Found by benchmarks/exactness_fuzz.py (issue 19's run, under-predicted by 520 B on every plan of
 # its model): a side tensor (the BatchNorm output) read by a convolution (layer 1) and by the
 # concatenation after it (layer 2), whose backward hands layer 1's output and the side tensor two
@@ -610,3 +611,22 @@ def test_regression_a_side_gradient_viewing_the_output_gradient_lives_until_the_
     assert side.consumers == (1, 2) and side.grad_view == tm.costs.groot[1] == 2 and side.grad_split == 1
     _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 2), (1, 3, 4), (1, 2, 3, 4, 5)])
     check_random_model(REGRESSION_PENDING_SIDE_GRADIENT_VIEW)
+
+
+# Found by benchmarks/exactness_fuzz.py (issue 19's run, under-predicted by 3,840 B, 11.8%): a
+# checkpointed segment that saves nothing (a concatenation and a mean) holds no checkpoint, but
+# checkpoint(fn, *inputs) holds its arguments until it returns, so its input is live through the
+# segment's whole forward, not only while its first layer runs: plan (1, 3) peaks in the mean's
+# forward with the convolution's output still held (36 B under here).
+REGRESSION_CHECKPOINT_CALL_HOLDS_ITS_INPUT = Spec(family='conv', dtype='float32', batch=6, shape=(1, 8, 8),
+    nodes=(Node(op='conv3', inputs=(0,), width=1), Node(op='cat', inputs=(1, 1))), classes=1)
+
+
+def test_regression_a_checkpointed_segment_that_saves_nothing_holds_its_input_through_its_forward():
+    model, x = build(REGRESSION_CHECKPOINT_CALL_HOLDS_ITS_INPUT)
+    model.train()
+    tm = trace(model, (x,), max_crossing=1)
+    _assert_within_loss(model, x, tm, [(1, 3), (1, 3, 4), (), (1,), (2,), (1, 2, 3, 4)])
+    sim = simulate(tm.costs, (1, 3))
+    assert (sim.phase, sim.layer) == ("forward", 2)  # in the mean's forward, segment [1, 2] saves nothing
+    check_random_model(REGRESSION_CHECKPOINT_CALL_HOLDS_ITS_INPUT)

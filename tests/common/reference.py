@@ -228,6 +228,8 @@ def _full(c, checkpoints, stored):
             kept[k] = set()
         for i in range(l, r + 1):
             live = ckpt | kept_before(k + 1) | {f"x{i - 1}"} | side_forward(i)  # a layer's input is live while it runs
+            if k and not unwrapped[k]:  # ... and a checkpointed segment's call holds its argument until it returns
+                live.add(f"x{l - 1}")
             peak = max(peak, total(live) + f[i])
             if unwrapped[k]:
                 kept[k] |= saved(i)

@@ -25,7 +25,8 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 A plan's peak is ``static + max_k (sum_{j<=k} c_j + D(l_k, r_k))`` with ``c_j`` the
 checkpoint segment ``j`` holds (:func:`held_checkpoint`). An input nothing holds is
 still live while the segment's first layer runs, so the forward term at ``i = l``
-then adds it (``live_in``). Phase codes: 0 forward, 1 recompute, 2 backward.
+then adds it (``live_in``), and so does every forward term of a checkpointed
+segment: ``checkpoint(fn, *inputs)`` holds its arguments until it returns. Phase codes: 0 forward, 1 recompute, 2 backward.
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
-    are live while its first layer runs forward. ``prev_keeps``: the previous
+    are live while its first layer runs forward (through the whole forward of a
+    checkpointed segment, whose call holds its arguments). ``prev_keeps``: the previous
     segment is stored and keeps the segment's input (its last layer saves its output).
     """
     return segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, K.a, K.a, K.a, False)
@@ -176,9 +178,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 v = K.P[i] - Pl + K.qf[i] + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
-        else:
+        else:  # the checkpoint call holds its arguments: an input nothing else holds is live throughout
             for i in range(l + 1, r + 1):
-                v = K.fw[i] + (fadd[i] if add else 0)
+                v = K.fw[i] + live_in + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
             trigger, e, partial = recompute_span(l, r, K)

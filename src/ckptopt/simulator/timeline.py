@@ -58,7 +58,7 @@ def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int) -> 
     """Forward events of segment [l, r], relative to its checkpoints."""
     out = [("forward", l, int(K.f[l]) + live_in)]
     for i in range(l + 1, r + 1):
-        v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i])
+        v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i]) + live_in  # (the call holds it)
         out.append(("forward", i, v))
     return out
 

@@ -33,7 +33,9 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
 
     * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1); with flag 0
       the layers before its first saving layer run their backward without the
-      checkpoint it holds (the frame goes with the segment's last saved tensor);
+      checkpoint it holds (the frame goes with the segment's last saved tensor), and a
+      segment that saves nothing (no checkpoint held) has its input live through its
+      whole forward (the checkpoint call holds its arguments: included here);
     * ``Ds0[r]``, ``Ds1[r]``: peak of the segment run unwrapped (the last
       segment, or a stored one): its forward keeps what it saves, no recomputation;
     * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
@@ -112,6 +114,10 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
                 rest = K.rb[r] + e_pm
             d = bwd_j0 if bwd_j0 > tail0 else tail0
             Dc0[r] = d if d > rest else rest
+            if first and not seg_saves and K.ck[l] + fwdw > Dc0[r]:
+                # it holds no checkpoint, but its call holds the input through its forward (the
+                # live-input term of with_live_in, for every forward layer)
+                Dc0[r] = K.ck[l] + fwdw
             d = bwd_j1 if bwd_j1 > tail1 else tail1
             Dc1[r] = d if d > rest else rest
         else:
