@@ -33,6 +33,11 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            ``b[i]`` is measured as inside a segment (the input held iff layer ``i-1``
            saves its output), so it is ``bf[i]`` already where layer ``i-1`` saves
            nothing, and ``bf`` is read only where it does. Default: ``b[i]``
+``br[i]``, ``bkr[i]`` (optional) ``b[i]`` and ``bk[i]`` in a checkpointed segment, whose saved
+           tensors are recomputed: the checkpoint hands each out once and keeps none, so
+           it dies when the backward node that reads it returns, before the engine
+           reduces that node's gradients to its inputs' shapes (a bias's sum), where
+           autograd elsewhere keeps it until after. Default: ``b[i]``, ``bk[i]``
 ``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
@@ -230,6 +235,8 @@ class KernelArrays(NamedTuple):
     ``qbk``   ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input stays held)
     ``qbf``   ``qb`` with ``bf`` for ``b`` (an unwrapped segment's first layer whose input
               the previous segment does not keep)
+    ``qbr``   ``qb`` with ``br`` for ``b`` (a layer of a checkpointed segment: recomputed saves)
+    ``qbkr``  ``qbk`` with ``bkr`` for ``bk``
 
     For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
     (= ``h``), ``qbk`` and ``qbf`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
@@ -255,6 +262,8 @@ class KernelArrays(NamedTuple):
     ext: np.ndarray
     qbk: np.ndarray
     qbf: np.ndarray
+    qbr: np.ndarray
+    qbkr: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -319,6 +328,8 @@ class ChainCosts:
         gh: Sequence[int] | None = None,
         fpre: Sequence[int] | None = None,
         fpost: Sequence[int] | None = None,
+        br: Sequence[int] | None = None,
+        bkr: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -331,6 +342,10 @@ class ChainCosts:
             values["bk"] = bk
         if bf is not None:
             values["bf"] = bf
+        if br is not None:
+            values["br"] = br
+        if bkr is not None:
+            values["bkr"] = bkr
         if g is not None:
             values["g"] = g
         if holds is not None:
@@ -351,9 +366,11 @@ class ChainCosts:
             self._fields["fs"] = d
         if rg is None:  # default: only the output gradient when the backward first reads
             self._fields["rg"] = self._fields["a"]
-        for given, name in ((bk, "bk"), (bf, "bf")):
+        for given, name in ((bk, "bk"), (bf, "bf"), (br, "br")):
             if given is None:
                 self._fields[name] = self._fields["b"]
+        if bkr is None:
+            self._fields["bkr"] = self._fields["bk"]
         if g is None:
             self._fields["g"] = self._fields["a"]
         small = np.flatnonzero((self._fields["g"] == 0) & (self._fields["a"] > 0))
@@ -502,7 +519,8 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "g", "holds", "groot", "gh", "fpre", "fpost"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "g", "holds", "groot", "gh", "fpre",
+                                                     "fpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -514,7 +532,7 @@ class ChainCosts:
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
                        side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
-                       fpre=layers.get("fpre"), fpost=layers.get("fpost"))
+                       fpre=layers.get("fpre"), fpost=layers.get("fpost"), br=layers.get("br"), bkr=layers.get("bkr"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -551,6 +569,8 @@ class ChainCosts:
                 for k, v in self._fields.items()
                 if not (k == "groot" and np.array_equal(v, np.arange(len(v))))  # (the defaults)
                 and not (k == "gh" and not v.any())
+                and not (k == "br" and np.array_equal(v, self._fields["b"]))
+                and not (k == "bkr" and np.array_equal(v, self._fields["bk"]))
             },
         }
         if self.names is not None:
@@ -657,7 +677,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -689,8 +709,10 @@ class ChainCosts:
         qbk = qb - b + self._fields["bk"]
         sout_prev = np.concatenate([[0], sout[:-1]])
         qbf = qb - b + np.where(sout_prev > 0, self._fields["bf"], b)  # b is bf where i-1 saves nothing
+        qbr = qb - b + self._fields["br"]
+        qbkr = qb - b + self._fields["bkr"]
         return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
-                               qbf)
+                               qbf, qbr, qbkr)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

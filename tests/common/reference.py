@@ -44,6 +44,8 @@ def _full(c, checkpoints, stored):
     b = [int(x) for x in c.b]
     bk = [int(x) for x in c.bk]  # b with the input held through the backward
     bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
+    br = [int(x) for x in c.br]  # b and bk in a checkpointed segment (recomputed saved tensors die
+    bkr = [int(x) for x in c.bkr]  # when the node reading them returns)
     g = [int(x) for x in c.g]  # the storage a layer's output gradient lives in (a view of a larger one)
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
@@ -243,12 +245,13 @@ def _full(c, checkpoints, stored):
         # while the layer's saved tensors live (bk), or by nothing else when unwrapped (bf)
         prev_keeps = k > 0 and unwrapped[k - 1] and sout[l - 1]
         first_saving = next((j for j in range(l, r + 1) if saves_anything(j)), None)
+        bseg = b if unwrapped[k] else br
         if l == 0 or prev_keeps:
-            b_first = b[l]
+            b_first = bseg[l]
         elif unwrapped[k]:
             b_first = bf[l] if sout[l - 1] else b[l]  # (b is measured that way where l-1 saves nothing)
         else:
-            b_first = bk[l]
+            b_first = bkr[l]
         held = set(ckpt) | kept_before(k) | grads | {f"g{r}"}
         top = r  # the backward continues from here after the recomputation
         if unwrapped[k]:
@@ -259,7 +262,7 @@ def _full(c, checkpoints, stored):
             while top >= l and not saves_anything(top):
                 gone, add = side_released(top)
                 peak = max(peak, total((held | grads | {f"g{top}"} | side_backward(top)) - gone) + add
-                           + (b_first if top == l else b[top]))
+                           + (b_first if top == l else bseg[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -305,7 +308,7 @@ def _full(c, checkpoints, stored):
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
             gone, add = side_released(i, rec_side if not unwrapped[k] else ())
-            peak = max(peak, total(live - gone) + add + (b_first if i == l else b[i]))
+            peak = max(peak, total(live - gone) + add + (b_first if i == l else bseg[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

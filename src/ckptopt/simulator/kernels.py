@@ -7,7 +7,8 @@ The memory model (``docs/design.md`` §3-4), relative to the static bytes and to
 the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 ``H(l, i) = K.P[i] - K.P[l]`` (what layers ``l..i-1`` leave saved, by storage):
 
-* backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
+* backward at layer i:            ``H(l, i) + qb[i]`` (``qbr``, ``qbkr`` for ``qb``, ``qbk`` in a
+  checkpointed segment, whose saved tensors are recomputed); in a checkpointed segment,
   ``qb[i]`` alone for the trailing layers after its last saving layer (their
   backward reads no saved tensor, so it runs before the recomputation). When the
   previous segment does not keep the segment's input: ``qbk`` for its first layer
@@ -203,9 +204,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         if freed_before > r:  # it saves nothing: it holds no checkpoint
             freed_before = l
     for i in range(r, l - 1, -1):
-        q = K.qb[i]
+        q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
         if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
-            q = K.qbf[i] if unwrapped else K.qbk[i]  # nothing does, or the checkpoint's frame
+            q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
@@ -281,7 +282,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one)
+                        one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

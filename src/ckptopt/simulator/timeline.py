@@ -78,17 +78,22 @@ def _recompute(l: int, r: int, end: int, partial: bool, K: KernelArrays) -> list
 
 
 def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
-              held_input: bool = False, free_input: bool = False, drop: int = 0) -> list[tuple[str, int, int]]:
+              held_input: bool = False, free_input: bool = False, drop: int = 0,
+              recomputed: bool = False) -> list[tuple[str, int, int]]:
     """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
     segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation);
     ``held_input``: only the checkpoint's frame holds layer ``l``'s input (``qbk``);
     ``free_input``: nothing but layer ``l`` holds it (``qbf``); ``drop``: the checkpoint the
-    layers before the first saving one run their backward without (its frame is gone)."""
+    layers before the first saving one run their backward without (its frame is gone);
+    ``recomputed``: a checkpointed segment, whose saved tensors are recomputed (``qbr``, ``qbkr``)."""
     after = r if after is None else after
     freed_before = int(kernels.first_saving(l, r, K)) if drop else l
     out = []
     for i in range(r, l - 1, -1):
-        q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
+        if recomputed:
+            q = int(K.qbkr[i] if held_input and i == l else K.qbr[i])
+        else:
+            q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
         v = int(K.P[i] - K.P[l]) + q if i <= after else q
         out.append(("backward", i, v - (drop if i < freed_before else 0)))
     return out
@@ -182,7 +187,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         if full and k < m - 1 and l not in kept:  # trailing layers that save nothing, the recomputation, the rest
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
             frame = l > 0 and not kept_in[k]
-            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k])
+            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k], recomputed=True)
             events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
             events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])

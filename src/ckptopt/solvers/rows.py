@@ -29,7 +29,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     term (the caller adds ``ck[l] + f[l]`` when nothing holds the input), with
     the suffix the flag of the state: 1 when the previous segment is stored and
     keeps the segment's input (then the first layer's backward takes ``qb``), 0
-    otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does):
+    otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does; a
+    checkpointed segment's terms take ``qbr``/``qbkr``, its saved tensors being recomputed):
 
     * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1); with flag 0
       the layers before its first saving layer run their backward without the
@@ -46,6 +47,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     Pl = K.P[l]
     first = l > 0  # the first layer's input may be held by the previous segment or not
     bwd1 = NEG  # backward terms, running max: the input held by the previous segment ...
+    bwd1r = NEG  # ... the same, checkpointed (its saved tensors recomputed: qbr) ...
     bwd0 = NEG  # ... or not, unwrapped (qbf) ...
     pre_c = NEG  # ... or not, checkpointed (qbk): before the first saving layer, which run their
     post_c = NEG  # backward without the checkpoint (its frame goes with the last saved tensor), and from it
@@ -64,9 +66,12 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     for r in range(l, n):
         v = K.P[r] - Pl + K.qb[r]
         v0 = K.qbf[l] if r == l and first else v
-        vc = K.qbk[l] if r == l and first else v
+        vr = K.P[r] - Pl + K.qbr[r]
+        vc = K.qbkr[l] if r == l and first else vr
         if v > bwd1:
             bwd1 = v
+        if vr > bwd1r:
+            bwd1r = vr
         if v0 > bwd0:
             bwd0 = v0
         if K.saves[r] != 0 or seg_saves:
@@ -77,15 +82,15 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
         if K.saves[r] != 0:
             seg_saves = True
             bwd_j0 = post_c if post_c > pre_c - drop else pre_c - drop
-            bwd_j1 = bwd1
+            bwd_j1 = bwd1r
             tail0 = NEG
             tail1 = NEG
         else:
-            qt = K.qbk[l] if r == l and first else K.qb[r]
+            qt = K.qbkr[l] if r == l and first else K.qbr[r]
             if qt > tail0:
                 tail0 = qt
-            if K.qb[r] > tail1:
-                tail1 = K.qb[r]
+            if K.qbr[r] > tail1:
+                tail1 = K.qbr[r]
         if full:
             if r > l:
                 if K.fw[r] > fwdw:
@@ -124,7 +129,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
             Ds1[r] = bwd1
             Ds0[r] = bwd0
             Dc0[r] = post_c if post_c > pre_c else pre_c
-            Dc1[r] = bwd1
+            Dc1[r] = bwd1r
             e = r
         if l == 0:
             hold[r] = 0

@@ -45,6 +45,8 @@ class LayerMeasurement:
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
+    br: int | None = None  # b in a recomputed segment: saved tensors die when the node reading them returns
+    bkr: int | None = None  # bk likewise
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
     gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
     holds: bool = False
@@ -212,12 +214,15 @@ def _autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
 
 class _Packed:
     """What the measuring pack hook hands autograd: a weak-referenceable box, so that the
-    measurement can tell which saved tensors autograd still keeps after the forward."""
+    measurement can tell which saved tensors autograd still keeps after the forward. Unpacking
+    it lets go of the tensor, as a checkpoint's recomputation does (``w`` finds it again while
+    the backward still holds it)."""
 
-    __slots__ = ("t", "__weakref__")
+    __slots__ = ("t", "w", "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.t = t
+        self.w = None
 
 
 def _unpack(box: _Packed) -> torch.Tensor:
@@ -432,6 +437,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 x = holder.pop()
         x_ptr = storage_key(x.untyped_storage()) if x is not None else None
         input_bytes = x.untyped_storage().nbytes() if x is not None else 0
+        x_storage = x.untyped_storage() if x is not None else None
         # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
         side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
         sides = []
@@ -459,6 +465,28 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             released.append((len(tracker.timeline), holds_input))
             released_keys.append((len(tracker.timeline), key))
 
+        # The backward runs once as in a recomputed segment: unpacking a saved tensor lets the
+        # box go of it (a checkpoint hands out its recomputed tensors and keeps none), so the
+        # tensor dies once the backward node that read it returns, before the engine reduces the
+        # node's gradients to their inputs' shapes (a bias's sum). Elsewhere autograd keeps it
+        # until it releases the node's saved tensors, after that. When each saved storage (and
+        # the input's) dies gives the figures of both (_held_timeline).
+        deaths: dict[Any, tuple[int, int]] = {}  # storage key -> (timeline index, bytes)
+
+        def on_death(key: Any, nbytes: int) -> None:
+            deaths[key] = (len(tracker.timeline), nbytes)
+
+        watched: set = set()
+
+        def watch(st: Any, key: Any) -> None:
+            if key is not None and key not in watched:
+                watched.add(key)
+                weakref.finalize(st, on_death, key, st.nbytes()).atexit = False
+
+        if x_storage is not None:
+            watch(x_storage, x_ptr)
+        del x_storage
+
         def pack(t: torch.Tensor) -> _Packed:
             s = real_storage(t, fake)
             # only storages this layer created, or registered below (parameters, buffers,
@@ -466,15 +494,23 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             key = storage_key(s) if s is not None and tracker.is_tracked(t) else None
             box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
             weakref.finalize(box, on_release, key is not None and key == x_ptr, key).atexit = False
+            if key is not None:
+                watch(s, key)
             packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
             return box
 
         first_unpack: list[int] = []  # live bytes when the backward first reads a saved tensor
 
         def unpack(box: _Packed) -> torch.Tensor:
-            if not first_unpack:
-                first_unpack.append(tracker.current_bytes)
-            return box.t
+            if not first_unpack:  # (as with the input held: nothing died yet but it)
+                first_unpack.append(tracker.current_bytes + (input_bytes if x_ptr in deaths else 0))
+            t = box.t
+            if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
+                t = box.w()
+            else:
+                box.t = None
+                box.w = weakref.ref(t)
+            return t
 
         grads_exist = list(grads_exist)
         pending = storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
@@ -566,13 +602,15 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     roots += [_Pending.apply(t, side_record) for k, (t, p) in enumerate(zip(sides, side_pending))
                               if p and t.requires_grad and t.grad_fn in reached and k not in pending_in_group]
                     del reached  # (autograd nodes: holding them keeps what they hold)
-                held_input = x  # held through the backward; see _backward_peaks for the other cases
+                # the input is not held: when it dies tells the figures with it held through the
+                # backward, or by nothing else, or by a checkpoint's frame (_held_timeline)
                 held_sides = sides
                 del x, y, ys, side_ys
                 if not plain:
                     del outs_all
                 # backward
-                backward_start = tracker.current_bytes
+                x_dead = x_ptr is not None and x_ptr in deaths  # (nothing saved it: gone at the start)
+                backward_start = tracker.current_bytes + (input_bytes if x_dead else 0)
                 k0 = len(tracker.timeline)
                 released.clear()  # (a dead branch's saved tensors die in the forward)
                 released_keys.clear()
@@ -594,16 +632,30 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
                 pending += side_record.get("pending", 0)
-                del roots, held_input, held_sides
-                peaks = _backward_peaks(tracker.timeline, k0, backward_start, input_bytes, released, alive,
-                                        alive_input)
+                del roots, held_sides
+                # the timeline as autograd outside a checkpoint has it (saved tensors kept until their
+                # node's release, the input held throughout), and as a recomputed segment has it
+                end_index = len(tracker.timeline)
+                x_gone = k0 if x_dead else deaths.get(x_ptr, (end_index,))[0] if x_ptr is not None else end_index
+                timeline, rec_timeline = _held_timelines(tracker.timeline, k0, deaths, released_keys, alive_keys,
+                                                         x_ptr, x_gone, input_bytes)
+                peaks = _backward_peaks(timeline, k0, backward_start, input_bytes, released, alive, alive_input)
+                # in a recomputed segment: b (the input held, or by nothing else: gone once the node
+                # that read it last returns) and bk (held by the checkpoint's frame)
+                all_gone = _all_released_at(released, alive, k0, end_index)
+                rec_peaks = (_peak_with_input(rec_timeline, k0, backward_start, input_bytes,
+                                              end_index if keep_input else x_gone),
+                             _peak_with_input(rec_timeline, k0, backward_start, input_bytes, max(x_gone, all_gone)))
                 # (pre, post): the backward's peak before and from a moment on (relative as b is):
                 # when the layer's last saved tensor is released (a checkpoint's frame goes, and
                 # the side tensors it holds with it), and when each saved side tensor's last saved
                 # reference is (a layer that saves it lets it go)
-                series = _relative_series(tracker.timeline, k0, backward_start, input_bytes, released, alive,
+                series = _relative_series(timeline, k0, backward_start, input_bytes, released, alive,
                                           alive_input, keep_input, out_grads + pending)
-                frame = _split(series, k0, _gone_at(released_keys, alive_keys, None))
+                # (a checkpoint's frame goes in a recomputed segment only: split its own series there)
+                rec_series = _relative_series(rec_timeline, k0, backward_start, input_bytes, released, alive,
+                                              alive_input, keep_input, out_grads + pending, gone=x_gone)
+                frame = _split(rec_series, k0, _gone_at(released_keys, alive_keys, None))
                 side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                  if alive_keys.get(key) else None) for key in side_ptrs]
                 # a side output the layer saves is in the backward's starting bytes (unlike a side
@@ -618,7 +670,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 gh = 0
                 freed, gbytes = record.get("out_freed"), record.get("grad_bytes", 0)
                 if freed is not None and gbytes:
-                    live = [e[2] for e in tracker.timeline[k0:]] or [backward_start]
+                    live = [e[2] for e in timeline[k0:]] or [backward_start]
                     held = [v + (gbytes if k0 + k >= freed else 0) for k, v in enumerate(live)]
                     gh = max(0, max(held) - max(live))
         finally:
@@ -641,6 +693,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
+        br=int(rec_peaks[0] - out_grads - pending),
+        bkr=int(rec_peaks[1] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
         # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
@@ -710,12 +764,14 @@ def _gone_at(released_keys: list[tuple[int, Any]], alive_keys: dict, key: Any) -
 
 
 def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, released: list[tuple[int, bool]],
-                     alive: int, alive_input: int, keep_input: bool, extra: int) -> list[int]:
+                     alive: int, alive_input: int, keep_input: bool, extra: int, gone: int | None = None) -> list[int]:
     """The live bytes of the backward as ``b`` counts them: above ``start`` less ``extra`` (the injected
     output gradients, pending gradients), the chain input held (``keep_input``) or freed once the
-    last saved tensor over it is released; index 0 is the moment before the first operator."""
-    gone = len(timeline)
-    if not keep_input:
+    last saved tensor over it is released (at ``gone`` when given); index 0 is the moment before the
+    first operator."""
+    if keep_input:
+        gone = len(timeline)
+    elif gone is None:
         count = alive_input
         gone = k0 if count == 0 else len(timeline)
         for index, over_input in released:
@@ -728,6 +784,55 @@ def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, rele
     for k in range(k0, len(timeline)):
         out.append(timeline[k][2] - start - (input_bytes if k >= gone else 0) - extra)
     return out
+
+
+def _held_timelines(timeline: list, k0: int, deaths: dict, released_keys: list[tuple[int, Any]], alive_keys: dict,
+                    x_ptr: Any, x_gone: int, input_bytes: int) -> tuple[list, list]:
+    """``(as autograd keeps them, as a recomputed segment does)``: the backward's timeline (entries from
+    ``k0``) measured with every saved tensor let go when unpacked and the input held by nothing else,
+    with the input added back from its death (``x_gone``; held throughout in both), and, for the
+    first, each saved storage added back from its death to the release of its last saved reference
+    (autograd releases a node's saved tensors after it has reduced the node's gradients)."""
+    late = []  # (died, released, bytes) per saved storage that died before its last release
+    for key in alive_keys:
+        if key is None or key == x_ptr or key not in deaths:
+            continue
+        died, nbytes = deaths[key]
+        if died < k0:
+            continue
+        rel = max((i for i, k in released_keys if k == key), default=len(timeline))
+        if rel > died:
+            late.append((died, rel, nbytes))
+    held, rec = list(timeline[:k0]), list(timeline[:k0])
+    for k in range(k0, len(timeline)):
+        op, name, v = timeline[k]
+        v += input_bytes if k >= x_gone else 0
+        rec.append((op, name, v))
+        held.append((op, name, v + sum(b for d, r, b in late if d <= k < r)))
+    return held, rec
+
+
+def _all_released_at(released: list[tuple[int, bool]], alive: int, k0: int, end: int) -> int:
+    """The timeline index from which every saved tensor kept at the backward's start is released
+    (``k0`` when none is; ``end`` when some never is)."""
+    count = alive
+    if count == 0:
+        return k0
+    for index, _ in released:
+        count -= 1
+        if count == 0:
+            return index
+    return end
+
+
+def _peak_with_input(timeline: list, k0: int, start: int, input_bytes: int, gone: int) -> int:
+    """The backward's peak above ``start`` (as :func:`_backward_peaks` counts it) with the input, held
+    in ``timeline``, gone from index ``gone``."""
+    base = start - (input_bytes if gone <= k0 else 0)
+    best = base
+    for k in range(k0, len(timeline)):
+        best = max(best, timeline[k][2] - (input_bytes if k >= gone else 0))
+    return best - base
 
 
 def _split(series: list[int], k0: int, moment: int | None) -> tuple[int, int]:
