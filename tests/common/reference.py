@@ -41,6 +41,8 @@ def _full(c, checkpoints, stored):
     a = [int(x) for x in c.a]
     p = [int(x) for x in c.p]
     f = [int(x) for x in c.f]
+    ff = [int(x) for x in c.ff]  # f and fs with the input dying at its last use in the layer
+    ffs = [int(x) for x in c.ffs]
     b = [int(x) for x in c.b]
     bk = [int(x) for x in c.bk]  # b with the input held through the backward
     bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
@@ -232,7 +234,13 @@ def _full(c, checkpoints, stored):
             live = ckpt | kept_before(k + 1) | {f"x{i - 1}"} | side_forward(i)  # a layer's input is live while it runs
             if k and not unwrapped[k]:  # ... and a checkpointed segment's call holds its argument until it returns
                 live.add(f"x{l - 1}")
-            peak = max(peak, total(live) + f[i])
+            # ... until its last use inside the layer when nothing else holds it: neither a save (of a
+            # stored or the last segment's layers; a checkpoint keeps none in its first pass), nor a
+            # checkpoint, nor the call, nor the caller (the model input)
+            held_by_other = (i == 0 or f"x{i - 1}" in ckpt or f"x{i - 1}" in kept_before(k + 1)
+                             or (unwrapped[k] and (sin[i] or (i > l and sout[i - 1])))
+                             or (not unwrapped[k] and i == l))
+            peak = max(peak, total(live) + (f[i] if held_by_other else ff[i]))
             if unwrapped[k]:
                 kept[k] |= saved(i)
     # ---- backward, last segment first
@@ -299,7 +307,9 @@ def _full(c, checkpoints, stored):
                 # the backward of layer top started: its gradients are r{top}, not g{top}
                 live = (held - {f"g{top}"}) | grads | {f"r{top}"} | seg_saved | ({f"x{i - 1}"} if i > l else set())
                 live |= side_recompute(k, top, stop_layer, i)
-                peak = max(peak, total(live) + (fs[i] if (i, 1) == stop else f[i]))
+                held_by_other = i == l or f"x{i - 1}" in seg_saved or sin[i]  # (recomputed saves are kept)
+                peak = max(peak, total(live) + ((fs[i] if held_by_other else ffs[i]) if (i, 1) == stop
+                                                else (f[i] if held_by_other else ff[i])))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
                 if (i, 1) == stop:
                     break

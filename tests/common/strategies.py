@@ -30,9 +30,11 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     b, static, c = draw(ints), draw(st.integers(0, hi)), draw(compute(n))
     br = draw(st.one_of(st.none(), ints))  # (drawn last: the earlier draws stay as they were)
     bkr = draw(st.one_of(st.none(), ints))
+    ff = draw(st.one_of(st.none(), ints))
+    ffs = draw(st.one_of(st.none(), ints))
     return ChainCosts(
         a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b, static=static, fs=fs,
-        c=c, rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds, br=br, bkr=bkr,
+        c=c, rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds, br=br, bkr=bkr, ff=ff, ffs=ffs,
     )
 
 

@@ -171,7 +171,10 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
     layer = -1
     trigger = r  # backward terms after this layer are taken without the segment's saves
     if full:
-        v = K.f[l] + live_in + (fadd[l] if add else 0)
+        # an unwrapped segment's input that nothing holds (no save, no earlier segment) dies at its
+        # last use in the first layer
+        free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
+        v = (K.ff[l] if free else K.f[l]) + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
@@ -282,7 +285,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one, one, one)
+                        one, one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

@@ -54,9 +54,11 @@ class TimelineEvent:
     bytes: int
 
 
-def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int) -> list[tuple[str, int, int]]:
-    """Forward events of segment [l, r], relative to its checkpoints."""
-    out = [("forward", l, int(K.f[l]) + live_in)]
+def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int,
+             free: bool = False) -> list[tuple[str, int, int]]:
+    """Forward events of segment [l, r], relative to its checkpoints; ``free``: nothing holds the
+    input of an unwrapped segment's first layer (it dies at its last use there, ``ff``)."""
+    out = [("forward", l, int(K.ff[l] if free else K.f[l]) + live_in)]
     for i in range(l + 1, r + 1):
         v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i]) + live_in  # (the call holds it)
         out.append(("forward", i, v))
@@ -174,7 +176,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
             live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
             base = costs.static + total
             forward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 0, i))
-                        for ph, i, v in _forward(l, r, unwrapped, K, live_in)]
+                        for ph, i, v in _forward(l, r, unwrapped, K, live_in,
+                                                 unwrapped and k > 0 and not prev_keeps and not K.sin[l])]
         total += int(side_held)
         prev_keeps = False
         if unwrapped and k < m - 1:  # a stored segment keeps what its layers save for every later one

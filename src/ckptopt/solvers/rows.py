@@ -58,6 +58,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     tail1 = NEG
     fwdw = K.f[l]  # wrapped forward, running max
     pm = K.f[l]  # running max of the live-forward term (recompute / unwrapped forward)
+    # ... unwrapped with flag 0: its first layer's input dies at its last use unless it saves it
+    pm0 = K.ff[l] if first and K.sin[l] == 0 else K.f[l]
     pm_prev = NEG
     e_pm = NEG  # pm up to the last layer the recomputation runs
     has_e = False
@@ -99,6 +101,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
                 v = K.P[r] - Pl + K.qf[r]
                 if v > pm:
                     pm = v
+                if v > pm0:
+                    pm0 = v
             if K.ext[r] != 0 and seg_saves:  # a recomputation happens and reaches layer r
                 if K.runs[r] != 0:
                     # the recomputation ends inside layer r, at its last saved tensor
@@ -113,7 +117,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
                     has_e = True
                     e = r - 1
             Ds1[r] = bwd1 if bwd1 > pm else pm
-            Ds0[r] = bwd0 if bwd0 > pm else pm
+            Ds0[r] = bwd0 if bwd0 > pm0 else pm0
             rest = fwdw
             if has_e and K.rb[r] + e_pm > rest:
                 rest = K.rb[r] + e_pm
@@ -141,10 +145,11 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
 
 
 @njit(cache=True)
-def with_live_in(l, c, flag, d, K):
-    """A segment that holds nothing of its input still has it live while its first layer runs."""
+def with_live_in(l, c, flag, d, K, unwrapped):
+    """A segment that holds nothing of its input still has it live while its first layer runs (where
+    it dies at its last use when the segment is unwrapped and the layer does not save it, ``ff``)."""
     if l > 0 and c == 0 and flag == 0:
-        v = K.ck[l] + K.f[l]
+        v = K.ck[l] + (K.ff[l] if unwrapped and K.sin[l] == 0 else K.f[l])
         if v > d:
             return v
     return d

@@ -45,6 +45,8 @@ class LayerMeasurement:
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
+    ff: int | None = None  # f with the input dying at its last use inside the layer (held by nothing else)
+    ffs: int | None = None  # fs likewise
     br: int | None = None  # b in a recomputed segment: saved tensors die when the node reading them returns
     bkr: int | None = None  # bk likewise
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
@@ -472,9 +474,19 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         # until it releases the node's saved tensors, after that. When each saved storage (and
         # the input's) dies gives the figures of both (_held_timeline).
         deaths: dict[Any, tuple[int, int]] = {}  # storage key -> (timeline index, bytes)
+        # A storage that died leaves its key (an address, or a fake storage's id) to the next one:
+        # a key that died is told apart from its successors by how often it died before
+        generations: dict[Any, int] = {}
+
+        def ident(st: Any) -> Any:
+            base = storage_key(st)
+            g = generations.get(base, 0)
+            return base if g == 0 else (base, g)
 
         def on_death(key: Any, nbytes: int) -> None:
             deaths[key] = (len(tracker.timeline), nbytes)
+            base = key[0] if isinstance(key, tuple) else key
+            generations[base] = generations.get(base, 0) + 1
 
         watched: set = set()
 
@@ -491,12 +503,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             s = real_storage(t, fake)
             # only storages this layer created, or registered below (parameters, buffers,
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
-            key = storage_key(s) if s is not None and tracker.is_tracked(t) else None
+            key = ident(s) if s is not None and tracker.is_tracked(t) else None
             box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
             weakref.finalize(box, on_release, key is not None and key == x_ptr, key).atexit = False
             if key is not None:
                 watch(s, key)
-            packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
+            packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, len(tracker.timeline)))
             return box
 
         first_unpack: list[int] = []  # live bytes when the backward first reads a saved tensor
@@ -518,12 +530,27 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
         start = tracker.current_bytes
         side_record: dict[str, Any] = {}  # the side outputs' injected gradients, the pending ones
+        # the forward takes its inputs in a list it empties, so that the chain input can die at its
+        # last use inside the layer, as it does in the model where nothing else holds it (ff, ffs);
+        # added back from its death it gives f and fs (the input held, as by a save of the layer
+        # before it, or by a checkpoint)
+        freeing = _list_input_copy(module) if x is not None and not leaf_input else None
         try:
             with tracker:
                 # forward
+                f_start = len(tracker.timeline)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = module(*([x] if x is not None else []), *sides, *static_inputs)
-                forward_peak = tracker.peak_bytes
+                    if freeing is not None:
+                        inputs = [x, *sides, *static_inputs]
+                        x = None
+                        y = freeing(inputs)
+                        del inputs
+                    else:
+                        y = module(*([x] if x is not None else []), *sides, *static_inputs)
+                f_end = len(tracker.timeline)
+                x_fwd_death = deaths[x_ptr][0] if x_ptr in deaths else f_end
+                forward_peak, forward_peak0 = _forward_peaks(tracker.timeline, f_start, f_end, start, input_bytes,
+                                                             x_fwd_death)
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
                 dead_packs = len(kept) < len(packs)
                 saved = {key: nbytes for key, nbytes, _ in kept if key is not None}
@@ -531,7 +558,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # layer, the last of its segment, stops. Non-reentrant checkpoint counts every
                 # tensor its forward packed, a dead branch's too, and stops once it has re-packed
                 # as many, so a dead branch after the last kept save is re-run as well.
-                last_pack = packs[-1][3] if packs else None
+                last_pack = (_forward_peaks(tracker.timeline, f_start, packs[-1][3], start, input_bytes, x_fwd_death)
+                             if packs else None)
                 if side_outputs or not main_output:
                     outs = list(y) if isinstance(y, (tuple, list)) else [y]
                     if len(outs) != side_outputs + bool(main_output):
@@ -551,9 +579,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         "torch.no_grad()), so it has no backward pass to measure"
                     )
                 ys = real_storage(y, fake) if y is not None else None
-                y_ptr = storage_key(ys) if ys is not None else None
+                y_ptr = ident(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
-                side_y_ptrs = [_key(t, fake) for t in side_ys]
+                side_y_ptrs = [None if real_storage(t, fake) is None else ident(real_storage(t, fake)) for t in side_ys]
                 if plain:
                     end = InjectGrad.apply(y, record)
                     if grads_exist:
@@ -689,7 +717,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         sout=bool(sout),
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
-        fs=int(last_pack - start) if last_pack is not None else 0,
+        fs=int(last_pack[0] - start) if last_pack is not None else 0,
+        ff=int(forward_peak0 - start),
+        ffs=int(last_pack[1] - start) if last_pack is not None else 0,
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
@@ -784,6 +814,43 @@ def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, rele
     for k in range(k0, len(timeline)):
         out.append(timeline[k][2] - start - (input_bytes if k >= gone else 0) - extra)
     return out
+
+
+def _list_input_copy(module: nn.Module) -> nn.Module | None:
+    """A copy of a graph module whose forward takes its inputs as one list and empties it on entry
+    (sharing its submodules and parameters), so that an input nothing else holds is freed after its
+    last use inside it; None for another module."""
+    import copy
+    import operator
+
+    import torch.fx as fx
+
+    if not isinstance(module, fx.GraphModule):
+        return None
+    g = copy.deepcopy(module.graph)
+    old = [n for n in g.nodes if n.op == "placeholder"]
+    if not old:
+        return None
+    body = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(body):
+        box = g.placeholder("ckptopt_inputs")
+        taken = [g.call_function(operator.getitem, (box, i)) for i in range(len(old))]
+        g.call_method("clear", (box,))
+    for ph, t in zip(old, taken):
+        ph.replace_all_uses_with(t)
+        g.erase_node(ph)
+    return fx.GraphModule(module, g)
+
+
+def _forward_peaks(timeline: list, lo: int, hi: int, start: int, input_bytes: int, death: int) -> tuple[int, int]:
+    """``(with the input held, as it went)``: the highest live bytes (at least ``start``) over the
+    timeline entries ``lo..hi-1`` of a forward in which the input died at entry ``death``."""
+    held = free = start
+    for k in range(lo, hi):
+        v = timeline[k][2]
+        free = max(free, v)
+        held = max(held, v + (input_bytes if k >= death else 0))
+    return held, free
 
 
 def _held_timelines(timeline: list, k0: int, deaths: dict, released_keys: list[tuple[int, Any]], alive_keys: dict,
