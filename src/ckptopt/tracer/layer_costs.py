@@ -172,6 +172,8 @@ class _Pending(torch.autograd.Function):
     def backward(ctx, grad):
         g = torch.zeros_like(ctx.template, device=ctx.device)
         ctx.record["pending"] = ctx.record.get("pending", 0) + g.untyped_storage().nbytes()
+        if "hold" in ctx.record:  # (its storage outlives the sum in the model: another gradient views it)
+            ctx.record["hold"].append(g)
         return g, None
 
 
@@ -235,6 +237,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
                   leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = (),
                   side_inputs: Iterable[torch.Tensor] = (), side_pending: Iterable[bool] = (),
+                  side_pending_held: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
                   like: torch.Tensor | None = None) -> LayerMeasurement:
@@ -290,6 +293,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         the originals do, held through forward and backward (the simulator counts them;
         none of the figures does). ``side_pending``: a later layer already made its
         gradient, so this layer's contribution is summed out of place (:class:`_Pending`).
+        ``side_pending_held``: that gradient's storage outlives the sum (another tensor's gradient
+        views it too): held through the backward.
         ``example_input`` may then be None: the layer reads no chain tensor.
     side_outputs : int, default 0
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
@@ -394,6 +399,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     check_module(module, "measure_layer")
     side_inputs = list(side_inputs)
     side_pending = list(side_pending) or [False] * len(side_inputs)
+    side_pending_held = list(side_pending_held) or [False] * len(side_inputs)
     plain = example_input is not None and not side_inputs and not side_outputs and main_output
     if example_input is not None and not isinstance(example_input, torch.Tensor):
         raise TypeError(
@@ -530,6 +536,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
         start = tracker.current_bytes
         side_record: dict[str, Any] = {}  # the side outputs' injected gradients, the pending ones
+        held_record: dict[str, Any] = {"hold": []}  # pending gradients held through the backward
         # the forward takes its inputs in a list it empties, so that the chain input can die at its
         # last use inside the layer, as it does in the model where nothing else holds it (ff, ffs);
         # added back from its death it gives f and fs (the input held, as by a save of the layer
@@ -627,7 +634,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
                     # created last, so run first: the gradient a later layer already made (only
                     # for a side input the layer's backward reaches: one it reads the size of gets none)
-                    roots += [_Pending.apply(t, side_record) for k, (t, p) in enumerate(zip(sides, side_pending))
+                    roots += [_Pending.apply(t, held_record if side_pending_held[k] else side_record)
+                              for k, (t, p) in enumerate(zip(sides, side_pending))
                               if p and t.requires_grad and t.grad_fn in reached and k not in pending_in_group]
                     del reached  # (autograd nodes: holding them keeps what they hold)
                 # the input is not held: when it dies tells the figures with it held through the
@@ -659,7 +667,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
-                pending += side_record.get("pending", 0)
+                pending += side_record.get("pending", 0) + held_record.get("pending", 0)
                 del roots, held_sides
                 # the timeline as autograd outside a checkpoint has it (saved tensors kept until their
                 # node's release, the input held throughout), and as a recomputed segment has it

@@ -147,9 +147,11 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         again = False
         for j, b in enumerate(built):
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
-            if shared:
+            held = _held_pending(j, streams.io[j], side)
+            if shared or any(held):
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared)
+                             shared, held)
+                found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
         if again:
@@ -176,7 +178,7 @@ class _Built:
 
 
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
-             param_owner: dict, n_built: int, shared: tuple = ()) -> LayerMeasurement:
+             param_owner: dict, n_built: int, shared: tuple = (), held: tuple = ()) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -195,7 +197,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
         if io.side_in or io.side_out or x is None:
             # a side input whose gradient a later layer already made: pending, summed out of place
             kw.update(side_inputs=[values[n] for n in b.side_in],
-                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in],
+                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in], side_pending_held=held,
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
         return measure_layer(b.module, x, keep_input=keep, **kw)
@@ -403,6 +405,21 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
             sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
+    return tuple(out)
+
+
+def _held_pending(j: int, io: Any, side: list[SideTensor]) -> tuple[bool, ...]:
+    """Per side input of layer ``j``: its gradient, pending when ``j``'s backward runs, is a view of a
+    storage that another side tensor's gradient still views after ``j`` sums its contribution in (an
+    addition later on hands one gradient to several tensors): the storage outlives that sum."""
+    out = []
+    for t in io.side_in:
+        st = side[t]
+        held = False
+        if st.grad_bytes and st.grad_view >= 0 and st.grad_split == j < st.grad_last:
+            held = any(u != t and side[u].grad_bytes and side[u].grad_view == st.grad_view
+                       and side[u].grad_split < j < side[u].grad_last for u in range(len(side)))
+        out.append(held)
     return tuple(out)
 
 
