@@ -51,6 +51,7 @@ class LayerMeasurement:
     bkr: int | None = None  # bk likewise
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
     gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
+    gin_layout: tuple | None = None  # (stride, offset) of the input gradient when it is a slice of that storage
     holds: bool = False
     side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
@@ -96,6 +97,9 @@ class _FreshInput(torch.autograd.Function):
         out = main.get("out") or main.get("only_side_out", {}).get("out")
         ctx.record["in_bytes"] = s.nbytes()
         ctx.record["in_is_out"] = out is not None and out() is s
+        if grad.numel() * grad.element_size() < s.nbytes() or not grad.is_contiguous():
+            # a slice (a concatenation's): the layer before receives it with this layout
+            ctx.record["in_layout"] = (tuple(grad.stride()), int(grad.storage_offset()))
         # input gradients that are views of one storage (a concatenation's slices of it)
         seen = main.setdefault("grad_storages", [])
         ctx.record["shares"] = next((tag for ref, tag in seen if ref() is s), None)
@@ -120,12 +124,25 @@ class InjectGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = torch.ones_like(ctx.template, device=ctx.device)
+        g = _layout_grad(ctx.template, ctx.device, ctx.record.get("layout"))
+        if g is None:
+            g = torch.ones_like(ctx.template, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
         ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
         if "on_free" in ctx.record:  # when the engine lets it go
             weakref.finalize(g.untyped_storage(), ctx.record["on_free"]).atexit = False
         return g, None
+
+
+def _layout_grad(template: torch.Tensor, device: Any, layout: tuple | None) -> torch.Tensor | None:
+    """An output gradient laid out as in the model, ``layout = (nbytes, stride, offset)``: a view (a
+    concatenation's slice) into a storage of ``nbytes`` (None without a layout)."""
+    if layout is None:
+        return None
+    nbytes, stride, offset = layout
+    numel = max(nbytes // template.element_size(), 1)
+    base = torch.ones(numel, dtype=template.dtype, device=device)
+    return base.as_strided(template.shape, stride, offset)
 
 
 class _SharedGrad(torch.autograd.Function):
@@ -144,10 +161,14 @@ class _SharedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         first = ctx.templates[0]
-        numel = max([ctx.nbytes // first.element_size()] + [t.numel() for t in ctx.templates])
+        layout = ctx.record.get("layout")  # (the chain output's, first when it is a member)
+        numel = max([ctx.nbytes // first.element_size()] + [t.numel() for t in ctx.templates]
+                    + ([layout[0] // first.element_size()] if layout else []))
         base = torch.ones(numel, dtype=first.dtype, device=ctx.device)
         outs = [base[: t.numel()].view(t.shape) if t.dtype == first.dtype else torch.ones_like(t, device=ctx.device)
                 for t in ctx.templates]
+        if layout:
+            outs[0] = base.as_strided(first.shape, layout[1], layout[2])
         ctx.record["grad_bytes"] = base.untyped_storage().nbytes() + sum(
             o.untyped_storage().nbytes() for o in outs if o.untyped_storage() is not base.untyped_storage())
         ctx.record["out"] = weakref.ref(base.untyped_storage())
@@ -240,6 +261,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   side_pending_held: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
+                  out_grad_layout: tuple | None = None,
                   like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
@@ -305,6 +327,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         storage of ``nbytes`` in the model (a later concatenation's or addition's); a member
         ``("in", k)`` is side input ``k``, whose pending gradient is a view of that storage too
         (it then lives until this layer's contribution is summed in).
+    out_grad_layout : (nbytes, stride, offset), optional
+        The chain output's gradient is a view of a storage of ``nbytes`` with this layout (a later
+        concatenation's slice): handed out so, as an op that needs it contiguous copies it.
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -433,6 +458,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
         record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
+        if out_grad_layout is not None and main_output:
+            record["layout"] = tuple(out_grad_layout)
         x = None
         if example_input is not None:
             holder = [clone_layout(example_input)]
@@ -735,6 +762,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         bkr=int(rec_peaks[1] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
+        gin_layout=record.get("in_layout"),
         # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
         # storage shared with other gradients (shared_out_grads) larger: the model counts g for it
         rg=int(max(0, first_unpack[0] - backward_start - pending) - (out_main or ga) + a) if first_unpack else int(a),

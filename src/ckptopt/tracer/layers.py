@@ -148,9 +148,10 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         for j, b in enumerate(built):
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
             held = _held_pending(j, streams.io[j], side)
-            if shared or any(held):
+            layout = _out_grad_layout(j, layers, grad_store)
+            if shared or any(held) or layout:
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held)
+                             shared, held, layout)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -178,7 +179,8 @@ class _Built:
 
 
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
-             param_owner: dict, n_built: int, shared: tuple = (), held: tuple = ()) -> LayerMeasurement:
+             param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
+             layout: tuple | None = None) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -200,7 +202,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                       side_pending=[streams.consumers[t][-1] > j for t in io.side_in], side_pending_held=held,
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
-        return measure_layer(b.module, x, keep_input=keep, **kw)
+        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -406,6 +408,19 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
     return tuple(out)
+
+
+def _out_grad_layout(j: int, layers: list[Layer], grad_store: list[int]) -> tuple | None:
+    """``(nbytes, stride, offset)`` of layer ``j``'s output gradient when the next layer's backward hands
+    it a slice of a larger storage (a concatenation's, not contiguous when the slice is along a
+    later dimension: an op that needs it contiguous copies it); None otherwise."""
+    if j + 1 >= len(layers) or not layers[j].costs.a:
+        return None
+    nxt = layers[j + 1]
+    m = nxt.costs
+    if not nxt.input_node or m.gin_layout is None:  # (a slice of its output gradient, or of one made inside it)
+        return None
+    return (int(grad_store[j]), tuple(m.gin_layout[0]), int(m.gin_layout[1]))
 
 
 def _held_pending(j: int, io: Any, side: list[SideTensor]) -> tuple[bool, ...]:
