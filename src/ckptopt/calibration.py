@@ -18,7 +18,7 @@ model inputs and the values computed from them alone are the real ones), so only
 layer's memory is ever allocated, and caches the result per layer signature, shapes,
 dtype and device: a model's repeated blocks are measured once.
 :meth:`Calibration.apply` folds it into a :class:`~ckptopt.ChainCosts` (scratch into
-the transients ``f``/``fs``/``b``/``bk``/``bf``, the workspace into the static bytes, times
+the transients ``f``/``fs``/``b``/``bk``/``bf`` (and ``ff``/``ffs``/``br``/``bkr``), the workspace into the static bytes, times
 into ``c``/``cb`` with unit ``"ns"``), so the simulator and every solver see it. On
 a device without allocator statistics (the CPU) scratch and workspace are zero and
 only the times change. Design notes: ``docs/design.md`` §9.
@@ -151,9 +151,16 @@ class Calibration:
             layers["f"][i] += cal.forward_scratch
             if layers["fs"][i] > 0:
                 layers["fs"][i] += cal.forward_scratch
+            if "ff" in layers:  # (present where they differ from f, fs)
+                layers["ff"][i] += cal.forward_scratch
+            if "ffs" in layers and layers["ffs"][i] > 0:
+                layers["ffs"][i] += cal.forward_scratch
             layers["b"][i] += cal.backward_scratch
             layers["bk"][i] += cal.backward_scratch
             layers["bf"][i] += cal.backward_scratch
+            for name in ("br", "bkr"):  # (present where they differ from b, bk)
+                if name in layers:
+                    layers[name][i] += cal.backward_scratch
         d["static"] = int(d["static"]) + self.workspace_bytes
         d["compute"] = [int(round(cal.forward_seconds * 1e9)) for cal in self.layers]
         d["backward_compute"] = [int(round(cal.backward_seconds * 1e9)) for cal in self.layers]

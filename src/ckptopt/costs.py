@@ -18,6 +18,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``fs[i]``  (optional) forward transient up to the last tensor the layer saves:
            a recomputation ending with this layer stops there. Default: ``f[i]``
            if the layer saves its output or extra tensors, else 0
+``ff[i]``, ``ffs[i]`` (optional) ``f[i]`` and ``fs[i]`` with the input dying at its last use
+           inside the layer, where nothing else holds it (no save of the layer before, no
+           checkpoint). Default: ``f[i]``, ``fs[i]``
 ``rg[i]``  (optional) gradient bytes the backward of layer ``i`` holds when it first
            reads a saved tensor (its output gradient plus what ops that save
            nothing, at the end of the layer, already produced): a recomputation
@@ -33,6 +36,11 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            ``b[i]`` is measured as inside a segment (the input held iff layer ``i-1``
            saves its output), so it is ``bf[i]`` already where layer ``i-1`` saves
            nothing, and ``bf`` is read only where it does. Default: ``b[i]``
+``br[i]``, ``bkr[i]`` (optional) ``b[i]`` and ``bk[i]`` in a checkpointed segment, whose saved
+           tensors are recomputed: the checkpoint hands each out once and keeps none, so
+           it dies when the backward node that reads it returns, before the engine
+           reduces that node's gradients to its inputs' shapes (a bias's sum), where
+           autograd elsewhere keeps it until after. Default: ``b[i]``, ``bk[i]``
 ``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
@@ -230,6 +238,11 @@ class KernelArrays(NamedTuple):
     ``qbk``   ``qb`` with ``bk`` for ``b`` (a segment's first layer whose input stays held)
     ``qbf``   ``qb`` with ``bf`` for ``b`` (an unwrapped segment's first layer whose input
               the previous segment does not keep)
+    ``qbr``   ``qb`` with ``br`` for ``b`` (a layer of a checkpointed segment: recomputed saves)
+    ``qbkr``  ``qbk`` with ``bkr`` for ``bk``
+    ``ff``    ``f`` with the input dying at its last use (an unwrapped segment's first layer whose
+              input nothing else holds); ``fw``, ``qf`` and ``qs`` take ``ff``/``ffs`` where
+              nothing holds the layer's input
 
     For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
     (= ``h``), ``qbk`` and ``qbf`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
@@ -255,6 +268,9 @@ class KernelArrays(NamedTuple):
     ext: np.ndarray
     qbk: np.ndarray
     qbf: np.ndarray
+    qbr: np.ndarray
+    qbkr: np.ndarray
+    ff: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -319,6 +335,10 @@ class ChainCosts:
         gh: Sequence[int] | None = None,
         fpre: Sequence[int] | None = None,
         fpost: Sequence[int] | None = None,
+        br: Sequence[int] | None = None,
+        bkr: Sequence[int] | None = None,
+        ff: Sequence[int] | None = None,
+        ffs: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -331,6 +351,14 @@ class ChainCosts:
             values["bk"] = bk
         if bf is not None:
             values["bf"] = bf
+        if ff is not None:
+            values["ff"] = ff
+        if ffs is not None:
+            values["ffs"] = ffs
+        if br is not None:
+            values["br"] = br
+        if bkr is not None:
+            values["bkr"] = bkr
         if g is not None:
             values["g"] = g
         if holds is not None:
@@ -345,15 +373,25 @@ class ChainCosts:
             values["fpre"] = fpre
             values["fpost"] = fpost
         self._init("full", values, static, names, c, cb, unit)
+        if ff is None:
+            self._fields["ff"] = self._fields["f"]
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
             d.setflags(write=False)
             self._fields["fs"] = d
+            if ffs is None:
+                d = np.where((self.sout > 0) | (self.m > 0), self._fields["ff"], 0).astype(np.int64)
+                d.setflags(write=False)
+                self._fields["ffs"] = d
+        if ffs is None and "ffs" not in self._fields:
+            self._fields["ffs"] = self._fields["fs"]
         if rg is None:  # default: only the output gradient when the backward first reads
             self._fields["rg"] = self._fields["a"]
-        for given, name in ((bk, "bk"), (bf, "bf")):
+        for given, name in ((bk, "bk"), (bf, "bf"), (br, "br")):
             if given is None:
                 self._fields[name] = self._fields["b"]
+        if bkr is None:
+            self._fields["bkr"] = self._fields["bk"]
         if g is None:
             self._fields["g"] = self._fields["a"]
         small = np.flatnonzero((self._fields["g"] == 0) & (self._fields["a"] > 0))
@@ -502,7 +540,8 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "g", "holds", "groot", "gh", "fpre", "fpost"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "ff", "ffs", "g", "holds", "groot", "gh",
+                                                     "fpre", "fpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -514,7 +553,8 @@ class ChainCosts:
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
                        side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
-                       fpre=layers.get("fpre"), fpost=layers.get("fpost"))
+                       fpre=layers.get("fpre"), fpost=layers.get("fpost"), br=layers.get("br"), bkr=layers.get("bkr"),
+                       ff=layers.get("ff"), ffs=layers.get("ffs"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -551,6 +591,10 @@ class ChainCosts:
                 for k, v in self._fields.items()
                 if not (k == "groot" and np.array_equal(v, np.arange(len(v))))  # (the defaults)
                 and not (k == "gh" and not v.any())
+                and not (k == "br" and np.array_equal(v, self._fields["b"]))
+                and not (k == "bkr" and np.array_equal(v, self._fields["bk"]))
+                and not (k == "ff" and np.array_equal(v, self._fields["f"]))
+                and not (k == "ffs" and np.array_equal(v, self._fields["fs"]))
             },
         }
         if self.names is not None:
@@ -657,7 +701,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -668,8 +712,12 @@ class ChainCosts:
         qb = m + a * sout + g + b + G
         a_prev = np.concatenate([[0], a[:-1]])
         k_prev = np.concatenate([[0], k[:-1]])
-        qf = a_prev * (1 - k_prev) + f
-        fw = a_prev + f
+        # the input of layer i is held while it runs if a layer saves it (k_prev), else it dies at
+        # its last use inside the layer (ff, ffs): always so in a checkpointed segment's first pass,
+        # whose saves the checkpoint does not keep
+        ff, ffs = self._fields["ff"], self._fields["ffs"]
+        qf = a_prev * (1 - k_prev) + np.where(k_prev > 0, f, ff)
+        fw = a_prev + ff
         fs = self._fields["fs"]
         side_saves = np.zeros(n, dtype=bool)  # the layer saves a side tensor (an input, or an output it made)
         side_out_saved = np.zeros(n, dtype=bool)
@@ -680,7 +728,7 @@ class ChainCosts:
                     side_out_saved[u] = True
         runs = (sout > 0) | (m > 0) | (fs > 0) | side_out_saved
         saves = (sout > 0) | (m > 0) | (sin > 0) | (self._fields["holds"] > 0) | side_saves
-        qs = a_prev * (1 - k_prev) + fs
+        qs = a_prev * (1 - k_prev) + np.where(k_prev > 0, fs, ffs)
         keep = m + a * sout
         rg = self._fields["rg"] + g - a  # (measured with an a-byte output gradient)
         j = np.maximum.accumulate(np.where(saves, np.arange(n), -1))  # last saving layer <= r
@@ -689,8 +737,10 @@ class ChainCosts:
         qbk = qb - b + self._fields["bk"]
         sout_prev = np.concatenate([[0], sout[:-1]])
         qbf = qb - b + np.where(sout_prev > 0, self._fields["bf"], b)  # b is bf where i-1 saves nothing
+        qbr = qb - b + self._fields["br"]
+        qbkr = qb - b + self._fields["bkr"]
         return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
-                               qbf)
+                               qbf, qbr, qbkr, ff)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import strategies as st
 
-__all__ = ["Node", "Spec", "RandomNet", "build", "specs"]
+__all__ = ["Node", "Spec", "RandomNet", "build", "specs", "stream_specs"]
 
 # ops whose output is not saved by their own backward: an in-place op may follow them
 _INPLACE_OK = {"conv3", "conv1", "linear", "bn", "gn", "ln", "add", "cat", "mul"}
@@ -70,6 +70,7 @@ class Spec:
     classes: int = 3
     input_requires_grad: bool = False
     dropout_p: float = 0.3
+    kind: str = ""  # stream_specs' shape of the model ("two-tower", "enc-dec", "skip"); "" for specs'
 
     def example_input(self, seed: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -316,11 +317,12 @@ def stream_specs(draw, max_len: int = 6) -> Spec:
     else:
         out = add(draw(st.sampled_from(unary)), (0,))
         for _ in range(draw(st.integers(2, max_len + 2))):
-            back = [j for j in range(1, out - 1)]
+            # (a concatenation's own output is twice as wide: only the layer after it is joined)
+            back = [j for j in range(1, out - 1) if nodes[j - 1].op != "cat"]
             if back and draw(st.integers(0, 9)) < 4:
                 out = join(out, draw(st.sampled_from(back)))
             else:
                 out = add(draw(st.sampled_from(unary)), (out,))
     del out
     return Spec(family, dtype, batch, shape, tuple(nodes), classes=draw(st.integers(1, 3)),
-                input_requires_grad=False)
+                input_requires_grad=False, kind=kind)

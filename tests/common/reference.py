@@ -41,9 +41,13 @@ def _full(c, checkpoints, stored):
     a = [int(x) for x in c.a]
     p = [int(x) for x in c.p]
     f = [int(x) for x in c.f]
+    ff = [int(x) for x in c.ff]  # f and fs with the input dying at its last use in the layer
+    ffs = [int(x) for x in c.ffs]
     b = [int(x) for x in c.b]
     bk = [int(x) for x in c.bk]  # b with the input held through the backward
     bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
+    br = [int(x) for x in c.br]  # b and bk in a checkpointed segment (recomputed saved tensors die
+    bkr = [int(x) for x in c.bkr]  # when the node reading them returns)
     g = [int(x) for x in c.g]  # the storage a layer's output gradient lives in (a view of a larger one)
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
@@ -228,7 +232,15 @@ def _full(c, checkpoints, stored):
             kept[k] = set()
         for i in range(l, r + 1):
             live = ckpt | kept_before(k + 1) | {f"x{i - 1}"} | side_forward(i)  # a layer's input is live while it runs
-            peak = max(peak, total(live) + f[i])
+            if k and not unwrapped[k]:  # ... and a checkpointed segment's call holds its argument until it returns
+                live.add(f"x{l - 1}")
+            # ... until its last use inside the layer when nothing else holds it: neither a save (of a
+            # stored or the last segment's layers; a checkpoint keeps none in its first pass), nor a
+            # checkpoint, nor the call, nor the caller (the model input)
+            held_by_other = (i == 0 or f"x{i - 1}" in ckpt or f"x{i - 1}" in kept_before(k + 1)
+                             or (unwrapped[k] and (sin[i] or (i > l and sout[i - 1])))
+                             or (not unwrapped[k] and i == l))
+            peak = max(peak, total(live) + (f[i] if held_by_other else ff[i]))
             if unwrapped[k]:
                 kept[k] |= saved(i)
     # ---- backward, last segment first
@@ -241,12 +253,13 @@ def _full(c, checkpoints, stored):
         # while the layer's saved tensors live (bk), or by nothing else when unwrapped (bf)
         prev_keeps = k > 0 and unwrapped[k - 1] and sout[l - 1]
         first_saving = next((j for j in range(l, r + 1) if saves_anything(j)), None)
+        bseg = b if unwrapped[k] else br
         if l == 0 or prev_keeps:
-            b_first = b[l]
+            b_first = bseg[l]
         elif unwrapped[k]:
             b_first = bf[l] if sout[l - 1] else b[l]  # (b is measured that way where l-1 saves nothing)
         else:
-            b_first = bk[l]
+            b_first = bkr[l]
         held = set(ckpt) | kept_before(k) | grads | {f"g{r}"}
         top = r  # the backward continues from here after the recomputation
         if unwrapped[k]:
@@ -257,7 +270,7 @@ def _full(c, checkpoints, stored):
             while top >= l and not saves_anything(top):
                 gone, add = side_released(top)
                 peak = max(peak, total((held | grads | {f"g{top}"} | side_backward(top)) - gone) + add
-                           + (b_first if top == l else b[top]))
+                           + (b_first if top == l else bseg[top]))
                 grads.add(f"gp{top}")
                 held.discard(f"g{top}")
                 if top > l:
@@ -294,7 +307,9 @@ def _full(c, checkpoints, stored):
                 # the backward of layer top started: its gradients are r{top}, not g{top}
                 live = (held - {f"g{top}"}) | grads | {f"r{top}"} | seg_saved | ({f"x{i - 1}"} if i > l else set())
                 live |= side_recompute(k, top, stop_layer, i)
-                peak = max(peak, total(live) + (fs[i] if (i, 1) == stop else f[i]))
+                held_by_other = i == l or f"x{i - 1}" in seg_saved or sin[i]  # (recomputed saves are kept)
+                peak = max(peak, total(live) + ((fs[i] if held_by_other else ffs[i]) if (i, 1) == stop
+                                                else (f[i] if held_by_other else ff[i])))
                 seg_saved |= saved(i) - {f"x{l - 1}"}
                 if (i, 1) == stop:
                     break
@@ -303,7 +318,7 @@ def _full(c, checkpoints, stored):
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
             gone, add = side_released(i, rec_side if not unwrapped[k] else ())
-            peak = max(peak, total(live - gone) + add + (b_first if i == l else b[i]))
+            peak = max(peak, total(live - gone) + add + (b_first if i == l else bseg[i]))
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

@@ -26,10 +26,15 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     g = draw(st.one_of(st.none(), st.lists(st.integers(0, hi), min_size=n, max_size=n).map(
         lambda extra: [x + e for x, e in zip(a, extra)])))  # a view of a larger gradient
     holds = draw(st.one_of(st.none(), flags))
+    p, sin, sout, m = draw(zero_or), draw(flags), draw(flags), draw(zero_or)
+    b, static, c = draw(ints), draw(st.integers(0, hi)), draw(compute(n))
+    br = draw(st.one_of(st.none(), ints))  # (drawn last: the earlier draws stay as they were)
+    bkr = draw(st.one_of(st.none(), ints))
+    ff = draw(st.one_of(st.none(), ints))
+    ffs = draw(st.one_of(st.none(), ints))
     return ChainCosts(
-        a=a, p=draw(zero_or), sin=draw(flags), sout=draw(flags),
-        m=draw(zero_or), f=f, b=draw(ints), static=draw(st.integers(0, hi)), fs=fs,
-        c=draw(compute(n)), rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds,
+        a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b, static=static, fs=fs,
+        c=c, rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds, br=br, bkr=bkr, ff=ff, ffs=ffs,
     )
 
 

@@ -7,7 +7,8 @@ The memory model (``docs/design.md`` §3-4), relative to the static bytes and to
 the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 ``H(l, i) = K.P[i] - K.P[l]`` (what layers ``l..i-1`` leave saved, by storage):
 
-* backward at layer i:            ``H(l, i) + qb[i]``; in a checkpointed segment,
+* backward at layer i:            ``H(l, i) + qb[i]`` (``qbr``, ``qbkr`` for ``qb``, ``qbk`` in a
+  checkpointed segment, whose saved tensors are recomputed); in a checkpointed segment,
   ``qb[i]`` alone for the trailing layers after its last saving layer (their
   backward reads no saved tensor, so it runs before the recomputation). When the
   previous segment does not keep the segment's input: ``qbk`` for its first layer
@@ -25,7 +26,8 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
 A plan's peak is ``static + max_k (sum_{j<=k} c_j + D(l_k, r_k))`` with ``c_j`` the
 checkpoint segment ``j`` holds (:func:`held_checkpoint`). An input nothing holds is
 still live while the segment's first layer runs, so the forward term at ``i = l``
-then adds it (``live_in``). Phase codes: 0 forward, 1 recompute, 2 backward.
+then adds it (``live_in``), and so does every forward term of a checkpointed
+segment: ``checkpoint(fn, *inputs)`` holds its arguments until it returns. Phase codes: 0 forward, 1 recompute, 2 backward.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
     ``live_in``: bytes of the segment's input that no checkpoint holds but that
-    are live while its first layer runs forward. ``prev_keeps``: the previous
+    are live while its first layer runs forward (through the whole forward of a
+    checkpointed segment, whose call holds its arguments). ``prev_keeps``: the previous
     segment is stored and keeps the segment's input (its last layer saves its output).
     """
     return segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, K.a, K.a, K.a, False)
@@ -168,7 +171,10 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
     layer = -1
     trigger = r  # backward terms after this layer are taken without the segment's saves
     if full:
-        v = K.f[l] + live_in + (fadd[l] if add else 0)
+        # an unwrapped segment's input that nothing holds (no save, no earlier segment) dies at its
+        # last use in the first layer
+        free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
+        v = (K.ff[l] if free else K.f[l]) + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
@@ -176,9 +182,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 v = K.P[i] - Pl + K.qf[i] + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
-        else:
+        else:  # the checkpoint call holds its arguments: an input nothing else holds is live throughout
             for i in range(l + 1, r + 1):
-                v = K.fw[i] + (fadd[i] if add else 0)
+                v = K.fw[i] + live_in + (fadd[i] if add else 0)
                 if v > best:
                     best, phase, layer = v, 0, i
             trigger, e, partial = recompute_span(l, r, K)
@@ -201,9 +207,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         if freed_before > r:  # it saves nothing: it holds no checkpoint
             freed_before = l
     for i in range(r, l - 1, -1):
-        q = K.qb[i]
+        q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
         if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
-            q = K.qbf[i] if unwrapped else K.qbk[i]  # nothing does, or the checkpoint's frame
+            q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
@@ -323,7 +329,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one)
+                        one, one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

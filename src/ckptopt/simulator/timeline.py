@@ -54,11 +54,13 @@ class TimelineEvent:
     bytes: int
 
 
-def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int) -> list[tuple[str, int, int]]:
-    """Forward events of segment [l, r], relative to its checkpoints."""
-    out = [("forward", l, int(K.f[l]) + live_in)]
+def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int,
+             free: bool = False) -> list[tuple[str, int, int]]:
+    """Forward events of segment [l, r], relative to its checkpoints; ``free``: nothing holds the
+    input of an unwrapped segment's first layer (it dies at its last use there, ``ff``)."""
+    out = [("forward", l, int(K.ff[l] if free else K.f[l]) + live_in)]
     for i in range(l + 1, r + 1):
-        v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i])
+        v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i]) + live_in  # (the call holds it)
         out.append(("forward", i, v))
     return out
 
@@ -78,17 +80,22 @@ def _recompute(l: int, r: int, end: int, partial: bool, K: KernelArrays) -> list
 
 
 def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
-              held_input: bool = False, free_input: bool = False, drop: int = 0) -> list[tuple[str, int, int]]:
+              held_input: bool = False, free_input: bool = False, drop: int = 0,
+              recomputed: bool = False) -> list[tuple[str, int, int]]:
     """Backward events of layers ``r`` down to ``l``; layers after ``after`` are taken without the
     segment's saved tensors (a checkpointed segment's trailing layers, run before the recomputation);
     ``held_input``: only the checkpoint's frame holds layer ``l``'s input (``qbk``);
     ``free_input``: nothing but layer ``l`` holds it (``qbf``); ``drop``: the checkpoint the
-    layers before the first saving one run their backward without (its frame is gone)."""
+    layers before the first saving one run their backward without (its frame is gone);
+    ``recomputed``: a checkpointed segment, whose saved tensors are recomputed (``qbr``, ``qbkr``)."""
     after = r if after is None else after
     freed_before = int(kernels.first_saving(l, r, K)) if drop else l
     out = []
     for i in range(r, l - 1, -1):
-        q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
+        if recomputed:
+            q = int(K.qbkr[i] if held_input and i == l else K.qbr[i])
+        else:
+            q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
         v = int(K.P[i] - K.P[l]) + q if i <= after else q
         out.append(("backward", i, v - (drop if i < freed_before else 0)))
     return out
@@ -169,7 +176,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
             live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
             base = costs.static + total
             forward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 0, i))
-                        for ph, i, v in _forward(l, r, unwrapped, K, live_in)]
+                        for ph, i, v in _forward(l, r, unwrapped, K, live_in,
+                                                 unwrapped and k > 0 and not prev_keeps and not K.sin[l])]
         total += int(side_held)
         prev_keeps = False
         if unwrapped and k < m - 1:  # a stored segment keeps what its layers save for every later one
@@ -182,7 +190,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         if full and k < m - 1 and l not in kept:  # trailing layers that save nothing, the recomputation, the rest
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
             frame = l > 0 and not kept_in[k]
-            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k])
+            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k], recomputed=True)
             events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
             events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])

@@ -167,11 +167,11 @@ def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
                 continue
             for r in range(l, n - 1):
                 c = 0 if flag else hold[r]
-                if H + c + with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K) <= cap and H + c < Hmin[2 * (r + 1)]:
+                if H + c + with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K, False) <= cap and H + c < Hmin[2 * (r + 1)]:
                     Hmin[2 * (r + 1)] = H + c
                 if allow_stored:
                     c = 0 if flag else hu
-                    if H + c + with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K) <= cap:
+                    if H + c + with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K, True) <= cap:
                         h2 = H + c + K.P[r] - K.P[l] + K.keep[r]
                         s2 = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)
                         if h2 < Hmin[s2]:
@@ -252,7 +252,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
                     cp, cr, cc, cn, ck_ = grow(cp, m + 2), grow(cr, m + 2), grow(cc, m + 2), grow(cn, m + 2), grow(ck_, m + 2)
                 if r == n - 1:
                     c = 0 if flag else hu
-                    d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K)
+                    d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K, True)
                     if c + d <= limit:
                         cp[m] = c + d
                         cr[m] = 0
@@ -266,13 +266,13 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
                         break
                     if kind == 0:
                         c = 0 if flag else hold[r]
-                        d = with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K)
+                        d = with_live_in(l, c, flag, Dc1[r] if flag else Dc0[r], K, False)
                         extra = 0
                         rc = rec[r]
                         nxt = 2 * (r + 1)
                     else:
                         c = 0 if flag else hu
-                        d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K)
+                        d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K, True)
                         extra = K.P[r] - K.P[l] + K.keep[r]
                         rc = 0
                         nxt = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)

@@ -29,11 +29,14 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     term (the caller adds ``ck[l] + f[l]`` when nothing holds the input), with
     the suffix the flag of the state: 1 when the previous segment is stored and
     keeps the segment's input (then the first layer's backward takes ``qb``), 0
-    otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does):
+    otherwise (``qbk``: the checkpoint's frame holds it; ``qbf`` unwrapped: nothing does; a
+    checkpointed segment's terms take ``qbr``/``qbkr``, its saved tensors being recomputed):
 
     * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1); with flag 0
       the layers before its first saving layer run their backward without the
-      checkpoint it holds (the frame goes with the segment's last saved tensor);
+      checkpoint it holds (the frame goes with the segment's last saved tensor), and a
+      segment that saves nothing (no checkpoint held) has its input live through its
+      whole forward (the checkpoint call holds its arguments: included here);
     * ``Ds0[r]``, ``Ds1[r]``: peak of the segment run unwrapped (the last
       segment, or a stored one): its forward keeps what it saves, no recomputation;
     * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
@@ -44,6 +47,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     Pl = K.P[l]
     first = l > 0  # the first layer's input may be held by the previous segment or not
     bwd1 = NEG  # backward terms, running max: the input held by the previous segment ...
+    bwd1r = NEG  # ... the same, checkpointed (its saved tensors recomputed: qbr) ...
     bwd0 = NEG  # ... or not, unwrapped (qbf) ...
     pre_c = NEG  # ... or not, checkpointed (qbk): before the first saving layer, which run their
     post_c = NEG  # backward without the checkpoint (its frame goes with the last saved tensor), and from it
@@ -54,6 +58,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     tail1 = NEG
     fwdw = K.f[l]  # wrapped forward, running max
     pm = K.f[l]  # running max of the live-forward term (recompute / unwrapped forward)
+    # ... unwrapped with flag 0: its first layer's input dies at its last use unless it saves it
+    pm0 = K.ff[l] if first and K.sin[l] == 0 else K.f[l]
     pm_prev = NEG
     e_pm = NEG  # pm up to the last layer the recomputation runs
     has_e = False
@@ -62,9 +68,12 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     for r in range(l, n):
         v = K.P[r] - Pl + K.qb[r]
         v0 = K.qbf[l] if r == l and first else v
-        vc = K.qbk[l] if r == l and first else v
+        vr = K.P[r] - Pl + K.qbr[r]
+        vc = K.qbkr[l] if r == l and first else vr
         if v > bwd1:
             bwd1 = v
+        if vr > bwd1r:
+            bwd1r = vr
         if v0 > bwd0:
             bwd0 = v0
         if K.saves[r] != 0 or seg_saves:
@@ -75,15 +84,15 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
         if K.saves[r] != 0:
             seg_saves = True
             bwd_j0 = post_c if post_c > pre_c - drop else pre_c - drop
-            bwd_j1 = bwd1
+            bwd_j1 = bwd1r
             tail0 = NEG
             tail1 = NEG
         else:
-            qt = K.qbk[l] if r == l and first else K.qb[r]
+            qt = K.qbkr[l] if r == l and first else K.qbr[r]
             if qt > tail0:
                 tail0 = qt
-            if K.qb[r] > tail1:
-                tail1 = K.qb[r]
+            if K.qbr[r] > tail1:
+                tail1 = K.qbr[r]
         if full:
             if r > l:
                 if K.fw[r] > fwdw:
@@ -92,6 +101,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
                 v = K.P[r] - Pl + K.qf[r]
                 if v > pm:
                     pm = v
+                if v > pm0:
+                    pm0 = v
             if K.ext[r] != 0 and seg_saves:  # a recomputation happens and reaches layer r
                 if K.runs[r] != 0:
                     # the recomputation ends inside layer r, at its last saved tensor
@@ -106,19 +117,23 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
                     has_e = True
                     e = r - 1
             Ds1[r] = bwd1 if bwd1 > pm else pm
-            Ds0[r] = bwd0 if bwd0 > pm else pm
+            Ds0[r] = bwd0 if bwd0 > pm0 else pm0
             rest = fwdw
             if has_e and K.rb[r] + e_pm > rest:
                 rest = K.rb[r] + e_pm
             d = bwd_j0 if bwd_j0 > tail0 else tail0
             Dc0[r] = d if d > rest else rest
+            if first and not seg_saves and K.ck[l] + fwdw > Dc0[r]:
+                # it holds no checkpoint, but its call holds the input through its forward (the
+                # live-input term of with_live_in, for every forward layer)
+                Dc0[r] = K.ck[l] + fwdw
             d = bwd_j1 if bwd_j1 > tail1 else tail1
             Dc1[r] = d if d > rest else rest
         else:
             Ds1[r] = bwd1
             Ds0[r] = bwd0
             Dc0[r] = post_c if post_c > pre_c else pre_c
-            Dc1[r] = bwd1
+            Dc1[r] = bwd1r
             e = r
         if l == 0:
             hold[r] = 0
@@ -130,10 +145,11 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
 
 
 @njit(cache=True)
-def with_live_in(l, c, flag, d, K):
-    """A segment that holds nothing of its input still has it live while its first layer runs."""
+def with_live_in(l, c, flag, d, K, unwrapped):
+    """A segment that holds nothing of its input still has it live while its first layer runs (where
+    it dies at its last use when the segment is unwrapped and the layer does not save it, ``ff``)."""
     if l > 0 and c == 0 and flag == 0:
-        v = K.ck[l] + K.f[l]
+        v = K.ck[l] + (K.ff[l] if unwrapped and K.sin[l] == 0 else K.f[l])
         if v > d:
             return v
     return d

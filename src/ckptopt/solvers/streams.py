@@ -59,6 +59,10 @@ def saved_floor(l, r, K):
         q = K.qbk[r]
     if K.qbf[r] < q:
         q = K.qbf[r]
+    if K.qbr[r] < q:
+        q = K.qbr[r]
+    if K.qbkr[r] < q:
+        q = K.qbkr[r]
     return K.P[r] - K.P[l] + q - K.ck[l]
 
 

@@ -300,15 +300,21 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         # the prefix's own high point (ProphetNet builds 20 MB of relative-position buckets to keep a
         # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
         f0 = [l.costs.f for l in layers]
+        ff = [l.costs.f if l.costs.ff is None else l.costs.ff for l in layers]
         if hoisted and f0:
             f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
                         - sum(t.bytes for t in early))
+            ff[0] = max(ff[0], f0[0])
         costs = ChainCosts(
             a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
-            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0,
+            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff,
+            ffs=[l.costs.fs if l.costs.ffs is None else l.costs.ffs for l in layers],
             b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
             bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
             bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
+            br=[l.costs.b if l.costs.br is None else l.costs.br for l in layers],
+            bkr=[(l.costs.b if l.costs.bk is None else l.costs.bk) if l.costs.bkr is None else l.costs.bkr
+                 for l in layers],
             g=grad_store,
             dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
             static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,

@@ -45,8 +45,13 @@ class LayerMeasurement:
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
+    ff: int | None = None  # f with the input dying at its last use inside the layer (held by nothing else)
+    ffs: int | None = None  # fs likewise
+    br: int | None = None  # b in a recomputed segment: saved tensors die when the node reading them returns
+    bkr: int | None = None  # bk likewise
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
     gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
+    gin_layout: tuple | None = None  # (stride, offset) of the input gradient when it is a slice of that storage
     holds: bool = False
     side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
@@ -92,6 +97,9 @@ class _FreshInput(torch.autograd.Function):
         out = main.get("out") or main.get("only_side_out", {}).get("out")
         ctx.record["in_bytes"] = s.nbytes()
         ctx.record["in_is_out"] = out is not None and out() is s
+        if grad.numel() * grad.element_size() < s.nbytes() or not grad.is_contiguous():
+            # a slice (a concatenation's): the layer before receives it with this layout
+            ctx.record["in_layout"] = (tuple(grad.stride()), int(grad.storage_offset()))
         # input gradients that are views of one storage (a concatenation's slices of it)
         seen = main.setdefault("grad_storages", [])
         ctx.record["shares"] = next((tag for ref, tag in seen if ref() is s), None)
@@ -116,12 +124,25 @@ class InjectGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = torch.ones_like(ctx.template, device=ctx.device)
+        g = _layout_grad(ctx.template, ctx.device, ctx.record.get("layout"))
+        if g is None:
+            g = torch.ones_like(ctx.template, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
         ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
         if "on_free" in ctx.record:  # when the engine lets it go
             weakref.finalize(g.untyped_storage(), ctx.record["on_free"]).atexit = False
         return g, None
+
+
+def _layout_grad(template: torch.Tensor, device: Any, layout: tuple | None) -> torch.Tensor | None:
+    """An output gradient laid out as in the model, ``layout = (nbytes, stride, offset)``: a view (a
+    concatenation's slice) into a storage of ``nbytes`` (None without a layout)."""
+    if layout is None:
+        return None
+    nbytes, stride, offset = layout
+    numel = max(nbytes // template.element_size(), 1)
+    base = torch.ones(numel, dtype=template.dtype, device=device)
+    return base.as_strided(template.shape, stride, offset)
 
 
 class _SharedGrad(torch.autograd.Function):
@@ -140,10 +161,14 @@ class _SharedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         first = ctx.templates[0]
-        numel = max([ctx.nbytes // first.element_size()] + [t.numel() for t in ctx.templates])
+        layout = ctx.record.get("layout")  # (the chain output's, first when it is a member)
+        numel = max([ctx.nbytes // first.element_size()] + [t.numel() for t in ctx.templates]
+                    + ([layout[0] // first.element_size()] if layout else []))
         base = torch.ones(numel, dtype=first.dtype, device=ctx.device)
         outs = [base[: t.numel()].view(t.shape) if t.dtype == first.dtype else torch.ones_like(t, device=ctx.device)
                 for t in ctx.templates]
+        if layout:
+            outs[0] = base.as_strided(first.shape, layout[1], layout[2])
         ctx.record["grad_bytes"] = base.untyped_storage().nbytes() + sum(
             o.untyped_storage().nbytes() for o in outs if o.untyped_storage() is not base.untyped_storage())
         ctx.record["out"] = weakref.ref(base.untyped_storage())
@@ -168,6 +193,8 @@ class _Pending(torch.autograd.Function):
     def backward(ctx, grad):
         g = torch.zeros_like(ctx.template, device=ctx.device)
         ctx.record["pending"] = ctx.record.get("pending", 0) + g.untyped_storage().nbytes()
+        if "hold" in ctx.record:  # (its storage outlives the sum in the model: another gradient views it)
+            ctx.record["hold"].append(g)
         return g, None
 
 
@@ -212,12 +239,15 @@ def _autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
 
 class _Packed:
     """What the measuring pack hook hands autograd: a weak-referenceable box, so that the
-    measurement can tell which saved tensors autograd still keeps after the forward."""
+    measurement can tell which saved tensors autograd still keeps after the forward. Unpacking
+    it lets go of the tensor, as a checkpoint's recomputation does (``w`` finds it again while
+    the backward still holds it)."""
 
-    __slots__ = ("t", "__weakref__")
+    __slots__ = ("t", "w", "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.t = t
+        self.w = None
 
 
 def _unpack(box: _Packed) -> torch.Tensor:
@@ -228,8 +258,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
                   leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = (),
                   side_inputs: Iterable[torch.Tensor] = (), side_pending: Iterable[bool] = (),
+                  side_pending_held: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
+                  out_grad_layout: tuple | None = None,
                   like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
@@ -283,11 +315,21 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         the originals do, held through forward and backward (the simulator counts them;
         none of the figures does). ``side_pending``: a later layer already made its
         gradient, so this layer's contribution is summed out of place (:class:`_Pending`).
+        ``side_pending_held``: that gradient's storage outlives the sum (another tensor's gradient
+        views it too): held through the backward.
         ``example_input`` may then be None: the layer reads no chain tensor.
     side_outputs : int, default 0
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
         later layers read. Their gradients are injected with the chain output's and left
         out of ``b`` like it; the simulator counts them.
+    shared_out_grads : iterable of (members, nbytes), optional
+        Outputs (0 the chain output, then the side outputs) whose gradients are views of one
+        storage of ``nbytes`` in the model (a later concatenation's or addition's); a member
+        ``("in", k)`` is side input ``k``, whose pending gradient is a view of that storage too
+        (it then lives until this layer's contribution is summed in).
+    out_grad_layout : (nbytes, stride, offset), optional
+        The chain output's gradient is a view of a storage of ``nbytes`` with this layout (a later
+        concatenation's slice): handed out so, as an op that needs it contiguous copies it.
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -382,6 +424,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     check_module(module, "measure_layer")
     side_inputs = list(side_inputs)
     side_pending = list(side_pending) or [False] * len(side_inputs)
+    side_pending_held = list(side_pending_held) or [False] * len(side_inputs)
     plain = example_input is not None and not side_inputs and not side_outputs and main_output
     if example_input is not None and not isinstance(example_input, torch.Tensor):
         raise TypeError(
@@ -415,6 +458,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
         record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
+        if out_grad_layout is not None and main_output:
+            record["layout"] = tuple(out_grad_layout)
         x = None
         if example_input is not None:
             holder = [clone_layout(example_input)]
@@ -427,6 +472,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 x = holder.pop()
         x_ptr = storage_key(x.untyped_storage()) if x is not None else None
         input_bytes = x.untyped_storage().nbytes() if x is not None else 0
+        x_storage = x.untyped_storage() if x is not None else None
         # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
         side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
         sides = []
@@ -454,22 +500,62 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             released.append((len(tracker.timeline), holds_input))
             released_keys.append((len(tracker.timeline), key))
 
+        # The backward runs once as in a recomputed segment: unpacking a saved tensor lets the
+        # box go of it (a checkpoint hands out its recomputed tensors and keeps none), so the
+        # tensor dies once the backward node that read it returns, before the engine reduces the
+        # node's gradients to their inputs' shapes (a bias's sum). Elsewhere autograd keeps it
+        # until it releases the node's saved tensors, after that. When each saved storage (and
+        # the input's) dies gives the figures of both (_held_timeline).
+        deaths: dict[Any, tuple[int, int]] = {}  # storage key -> (timeline index, bytes)
+        # A storage that died leaves its key (an address, or a fake storage's id) to the next one:
+        # a key that died is told apart from its successors by how often it died before
+        generations: dict[Any, int] = {}
+
+        def ident(st: Any) -> Any:
+            base = storage_key(st)
+            g = generations.get(base, 0)
+            return base if g == 0 else (base, g)
+
+        def on_death(key: Any, nbytes: int) -> None:
+            deaths[key] = (len(tracker.timeline), nbytes)
+            base = key[0] if isinstance(key, tuple) else key
+            generations[base] = generations.get(base, 0) + 1
+
+        watched: set = set()
+
+        def watch(st: Any, key: Any) -> None:
+            if key is not None and key not in watched:
+                watched.add(key)
+                weakref.finalize(st, on_death, key, st.nbytes()).atexit = False
+
+        if x_storage is not None:
+            watch(x_storage, x_ptr)
+        del x_storage
+
         def pack(t: torch.Tensor) -> _Packed:
             s = real_storage(t, fake)
             # only storages this layer created, or registered below (parameters, buffers,
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
-            key = storage_key(s) if s is not None and tracker.is_tracked(t) else None
+            key = ident(s) if s is not None and tracker.is_tracked(t) else None
             box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
             weakref.finalize(box, on_release, key is not None and key == x_ptr, key).atexit = False
-            packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, tracker.peak_bytes))
+            if key is not None:
+                watch(s, key)
+            packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, len(tracker.timeline)))
             return box
 
         first_unpack: list[int] = []  # live bytes when the backward first reads a saved tensor
 
         def unpack(box: _Packed) -> torch.Tensor:
-            if not first_unpack:
-                first_unpack.append(tracker.current_bytes)
-            return box.t
+            if not first_unpack:  # (as with the input held: nothing died yet but it)
+                first_unpack.append(tracker.current_bytes + (input_bytes if x_ptr in deaths else 0))
+            t = box.t
+            if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
+                t = box.w()
+            else:
+                box.t = None
+                box.w = weakref.ref(t)
+            return t
 
         grads_exist = list(grads_exist)
         pending = storage_bytes(grads_exist, fake=fake)[0] if grads_exist else 0
@@ -477,12 +563,28 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
         start = tracker.current_bytes
         side_record: dict[str, Any] = {}  # the side outputs' injected gradients, the pending ones
+        held_record: dict[str, Any] = {"hold": []}  # pending gradients held through the backward
+        # the forward takes its inputs in a list it empties, so that the chain input can die at its
+        # last use inside the layer, as it does in the model where nothing else holds it (ff, ffs);
+        # added back from its death it gives f and fs (the input held, as by a save of the layer
+        # before it, or by a checkpoint)
+        freeing = _list_input_copy(module) if x is not None and not leaf_input else None
         try:
             with tracker:
                 # forward
+                f_start = len(tracker.timeline)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                    y = module(*([x] if x is not None else []), *sides, *static_inputs)
-                forward_peak = tracker.peak_bytes
+                    if freeing is not None:
+                        inputs = [x, *sides, *static_inputs]
+                        x = None
+                        y = freeing(inputs)
+                        del inputs
+                    else:
+                        y = module(*([x] if x is not None else []), *sides, *static_inputs)
+                f_end = len(tracker.timeline)
+                x_fwd_death = deaths[x_ptr][0] if x_ptr in deaths else f_end
+                forward_peak, forward_peak0 = _forward_peaks(tracker.timeline, f_start, f_end, start, input_bytes,
+                                                             x_fwd_death)
                 kept = [(key, nbytes, peak) for ref, key, nbytes, peak in packs if ref() is not None]
                 dead_packs = len(kept) < len(packs)
                 saved = {key: nbytes for key, nbytes, _ in kept if key is not None}
@@ -490,7 +592,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # layer, the last of its segment, stops. Non-reentrant checkpoint counts every
                 # tensor its forward packed, a dead branch's too, and stops once it has re-packed
                 # as many, so a dead branch after the last kept save is re-run as well.
-                last_pack = packs[-1][3] if packs else None
+                last_pack = (_forward_peaks(tracker.timeline, f_start, packs[-1][3], start, input_bytes, x_fwd_death)
+                             if packs else None)
                 if side_outputs or not main_output:
                     outs = list(y) if isinstance(y, (tuple, list)) else [y]
                     if len(outs) != side_outputs + bool(main_output):
@@ -510,9 +613,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         "torch.no_grad()), so it has no backward pass to measure"
                     )
                 ys = real_storage(y, fake) if y is not None else None
-                y_ptr = storage_key(ys) if ys is not None else None
+                y_ptr = ident(ys) if ys is not None else None
                 a = ys.nbytes() if ys is not None else 0
-                side_y_ptrs = [_key(t, fake) for t in side_ys]
+                side_y_ptrs = [None if real_storage(t, fake) is None else ident(real_storage(t, fake)) for t in side_ys]
                 if plain:
                     end = InjectGrad.apply(y, record)
                     if grads_exist:
@@ -528,15 +631,23 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     side_injects = []
                     roots = []
                     grouped: set[int] = set()
+                    reached = reachable([o for o in outs_all if o.requires_grad])
+                    # a pending side gradient that is a view of an output's gradient storage (("in", k)
+                    # in a group): handed out with it, so the storage lives until the sum, as in the model
+                    pending_in_group: set[int] = set()
                     for members, nbytes in shared_out_grads:
-                        members = [k for k in members if outs_all[k].requires_grad]
-                        if len(members) < 2:
+                        ins = [k[1] for k in members if isinstance(k, tuple) and side_pending[k[1]]
+                               and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
+                        members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad]
+                        if len(members) + len(ins) < 2 or not members:
                             continue
                         rec = record if y is not None and 0 in members else {}
                         if rec is not record:
                             side_injects.append(rec)
-                        roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members]))
+                        roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members],
+                                                       *[sides[k] for k in ins]))
                         grouped |= set(members)
+                        pending_in_group |= set(ins)
                     for k in range(len(outs_all)):
                         if k in grouped or not outs_all[k].requires_grad:
                             continue
@@ -550,17 +661,19 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
                     # created last, so run first: the gradient a later layer already made (only
                     # for a side input the layer's backward reaches: one it reads the size of gets none)
-                    reached = reachable([o for o in outs_all if o.requires_grad])
-                    roots += [_Pending.apply(t, side_record) for t, p in zip(sides, side_pending)
-                              if p and t.requires_grad and t.grad_fn in reached]
+                    roots += [_Pending.apply(t, held_record if side_pending_held[k] else side_record)
+                              for k, (t, p) in enumerate(zip(sides, side_pending))
+                              if p and t.requires_grad and t.grad_fn in reached and k not in pending_in_group]
                     del reached  # (autograd nodes: holding them keeps what they hold)
-                held_input = x  # held through the backward; see _backward_peaks for the other cases
+                # the input is not held: when it dies tells the figures with it held through the
+                # backward, or by nothing else, or by a checkpoint's frame (_held_timeline)
                 held_sides = sides
                 del x, y, ys, side_ys
                 if not plain:
                     del outs_all
                 # backward
-                backward_start = tracker.current_bytes
+                x_dead = x_ptr is not None and x_ptr in deaths  # (nothing saved it: gone at the start)
+                backward_start = tracker.current_bytes + (input_bytes if x_dead else 0)
                 k0 = len(tracker.timeline)
                 released.clear()  # (a dead branch's saved tensors die in the forward)
                 released_keys.clear()
@@ -578,19 +691,34 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 out_grads = record.get("grad_bytes", 0)
                 # the output's own gradient (a view output's is the view's size, not its storage's)
                 ga = min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else a
+                out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
-                pending += side_record.get("pending", 0)
-                del roots, held_input, held_sides
-                peaks = _backward_peaks(tracker.timeline, k0, backward_start, input_bytes, released, alive,
-                                        alive_input)
+                pending += side_record.get("pending", 0) + held_record.get("pending", 0)
+                del roots, held_sides
+                # the timeline as autograd outside a checkpoint has it (saved tensors kept until their
+                # node's release, the input held throughout), and as a recomputed segment has it
+                end_index = len(tracker.timeline)
+                x_gone = k0 if x_dead else deaths.get(x_ptr, (end_index,))[0] if x_ptr is not None else end_index
+                timeline, rec_timeline = _held_timelines(tracker.timeline, k0, deaths, released_keys, alive_keys,
+                                                         x_ptr, x_gone, input_bytes)
+                peaks = _backward_peaks(timeline, k0, backward_start, input_bytes, released, alive, alive_input)
+                # in a recomputed segment: b (the input held, or by nothing else: gone once the node
+                # that read it last returns) and bk (held by the checkpoint's frame)
+                all_gone = _all_released_at(released, alive, k0, end_index)
+                rec_peaks = (_peak_with_input(rec_timeline, k0, backward_start, input_bytes,
+                                              end_index if keep_input else x_gone),
+                             _peak_with_input(rec_timeline, k0, backward_start, input_bytes, max(x_gone, all_gone)))
                 # (pre, post): the backward's peak before and from a moment on (relative as b is):
                 # when the layer's last saved tensor is released (a checkpoint's frame goes, and
                 # the side tensors it holds with it), and when each saved side tensor's last saved
                 # reference is (a layer that saves it lets it go)
-                series = _relative_series(tracker.timeline, k0, backward_start, input_bytes, released, alive,
+                series = _relative_series(timeline, k0, backward_start, input_bytes, released, alive,
                                           alive_input, keep_input, out_grads + pending)
-                frame = _split(series, k0, _gone_at(released_keys, alive_keys, None))
+                # (a checkpoint's frame goes in a recomputed segment only: split its own series there)
+                rec_series = _relative_series(rec_timeline, k0, backward_start, input_bytes, released, alive,
+                                              alive_input, keep_input, out_grads + pending, gone=x_gone)
+                frame = _split(rec_series, k0, _gone_at(released_keys, alive_keys, None))
                 side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                  if alive_keys.get(key) else None) for key in side_ptrs]
                 # a side output the layer saves is in the backward's starting bytes (unlike a side
@@ -605,7 +733,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 gh = 0
                 freed, gbytes = record.get("out_freed"), record.get("grad_bytes", 0)
                 if freed is not None and gbytes:
-                    live = [e[2] for e in tracker.timeline[k0:]] or [backward_start]
+                    live = [e[2] for e in timeline[k0:]] or [backward_start]
                     held = [v + (gbytes if k0 + k >= freed else 0) for k, v in enumerate(live)]
                     gh = max(0, max(held) - max(live))
         finally:
@@ -624,14 +752,20 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         sout=bool(sout),
         m=int(sum(saved[k] for k in other)),
         f=int(forward_peak - start),
-        fs=int(last_pack - start) if last_pack is not None else 0,
+        fs=int(last_pack[0] - start) if last_pack is not None else 0,
+        ff=int(forward_peak0 - start),
+        ffs=int(last_pack[1] - start) if last_pack is not None else 0,
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
+        br=int(rec_peaks[0] - out_grads - pending),
+        bkr=int(rec_peaks[1] - out_grads - pending),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
-        # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller
-        rg=int(max(0, first_unpack[0] - backward_start - pending) - ga + a) if first_unpack else int(a),
+        gin_layout=record.get("in_layout"),
+        # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
+        # storage shared with other gradients (shared_out_grads) larger: the model counts g for it
+        rg=int(max(0, first_unpack[0] - backward_start - pending) - (out_main or ga) + a) if first_unpack else int(a),
         ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
@@ -696,12 +830,14 @@ def _gone_at(released_keys: list[tuple[int, Any]], alive_keys: dict, key: Any) -
 
 
 def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, released: list[tuple[int, bool]],
-                     alive: int, alive_input: int, keep_input: bool, extra: int) -> list[int]:
+                     alive: int, alive_input: int, keep_input: bool, extra: int, gone: int | None = None) -> list[int]:
     """The live bytes of the backward as ``b`` counts them: above ``start`` less ``extra`` (the injected
     output gradients, pending gradients), the chain input held (``keep_input``) or freed once the
-    last saved tensor over it is released; index 0 is the moment before the first operator."""
-    gone = len(timeline)
-    if not keep_input:
+    last saved tensor over it is released (at ``gone`` when given); index 0 is the moment before the
+    first operator."""
+    if keep_input:
+        gone = len(timeline)
+    elif gone is None:
         count = alive_input
         gone = k0 if count == 0 else len(timeline)
         for index, over_input in released:
@@ -714,6 +850,92 @@ def _relative_series(timeline: list, k0: int, start: int, input_bytes: int, rele
     for k in range(k0, len(timeline)):
         out.append(timeline[k][2] - start - (input_bytes if k >= gone else 0) - extra)
     return out
+
+
+def _list_input_copy(module: nn.Module) -> nn.Module | None:
+    """A copy of a graph module whose forward takes its inputs as one list and empties it on entry
+    (sharing its submodules and parameters), so that an input nothing else holds is freed after its
+    last use inside it; None for another module."""
+    import copy
+    import operator
+
+    import torch.fx as fx
+
+    if not isinstance(module, fx.GraphModule):
+        return None
+    g = copy.deepcopy(module.graph)
+    old = [n for n in g.nodes if n.op == "placeholder"]
+    if not old:
+        return None
+    body = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(body):
+        box = g.placeholder("ckptopt_inputs")
+        taken = [g.call_function(operator.getitem, (box, i)) for i in range(len(old))]
+        g.call_method("clear", (box,))
+    for ph, t in zip(old, taken):
+        ph.replace_all_uses_with(t)
+        g.erase_node(ph)
+    return fx.GraphModule(module, g)
+
+
+def _forward_peaks(timeline: list, lo: int, hi: int, start: int, input_bytes: int, death: int) -> tuple[int, int]:
+    """``(with the input held, as it went)``: the highest live bytes (at least ``start``) over the
+    timeline entries ``lo..hi-1`` of a forward in which the input died at entry ``death``."""
+    held = free = start
+    for k in range(lo, hi):
+        v = timeline[k][2]
+        free = max(free, v)
+        held = max(held, v + (input_bytes if k >= death else 0))
+    return held, free
+
+
+def _held_timelines(timeline: list, k0: int, deaths: dict, released_keys: list[tuple[int, Any]], alive_keys: dict,
+                    x_ptr: Any, x_gone: int, input_bytes: int) -> tuple[list, list]:
+    """``(as autograd keeps them, as a recomputed segment does)``: the backward's timeline (entries from
+    ``k0``) measured with every saved tensor let go when unpacked and the input held by nothing else,
+    with the input added back from its death (``x_gone``; held throughout in both), and, for the
+    first, each saved storage added back from its death to the release of its last saved reference
+    (autograd releases a node's saved tensors after it has reduced the node's gradients)."""
+    late = []  # (died, released, bytes) per saved storage that died before its last release
+    for key in alive_keys:
+        if key is None or key == x_ptr or key not in deaths:
+            continue
+        died, nbytes = deaths[key]
+        if died < k0:
+            continue
+        rel = max((i for i, k in released_keys if k == key), default=len(timeline))
+        if rel > died:
+            late.append((died, rel, nbytes))
+    held, rec = list(timeline[:k0]), list(timeline[:k0])
+    for k in range(k0, len(timeline)):
+        op, name, v = timeline[k]
+        v += input_bytes if k >= x_gone else 0
+        rec.append((op, name, v))
+        held.append((op, name, v + sum(b for d, r, b in late if d <= k < r)))
+    return held, rec
+
+
+def _all_released_at(released: list[tuple[int, bool]], alive: int, k0: int, end: int) -> int:
+    """The timeline index from which every saved tensor kept at the backward's start is released
+    (``k0`` when none is; ``end`` when some never is)."""
+    count = alive
+    if count == 0:
+        return k0
+    for index, _ in released:
+        count -= 1
+        if count == 0:
+            return index
+    return end
+
+
+def _peak_with_input(timeline: list, k0: int, start: int, input_bytes: int, gone: int) -> int:
+    """The backward's peak above ``start`` (as :func:`_backward_peaks` counts it) with the input, held
+    in ``timeline``, gone from index ``gone``."""
+    base = start - (input_bytes if gone <= k0 else 0)
+    best = base
+    for k in range(k0, len(timeline)):
+        best = max(best, timeline[k][2] - (input_bytes if k >= gone else 0))
+    return best - base
 
 
 def _split(series: list[int], k0: int, moment: int | None) -> tuple[int, int]:

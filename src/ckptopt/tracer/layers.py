@@ -147,9 +147,12 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         again = False
         for j, b in enumerate(built):
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
-            if shared:
+            held = _held_pending(j, streams.io[j], side)
+            layout = _out_grad_layout(j, layers, grad_store)
+            if shared or any(held) or layout:
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared)
+                             shared, held, layout)
+                found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
         if again:
@@ -176,7 +179,8 @@ class _Built:
 
 
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
-             param_owner: dict, n_built: int, shared: tuple = ()) -> LayerMeasurement:
+             param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
+             layout: tuple | None = None) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -195,10 +199,10 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
         if io.side_in or io.side_out or x is None:
             # a side input whose gradient a later layer already made: pending, summed out of place
             kw.update(side_inputs=[values[n] for n in b.side_in],
-                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in],
+                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in], side_pending_held=held,
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
-        return measure_layer(b.module, x, keep_input=keep, **kw)
+        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -403,19 +407,58 @@ def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tu
 def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: list[int],
                          grad_root: list[int]) -> tuple:
     """Groups of layer ``j``'s outputs (0 the chain output, then its side outputs) whose gradients are
-    one storage when its backward runs, with that storage's bytes (only groups of two or more)."""
-    if not io.side_out:
-        return ()
+    one storage when its backward runs, with that storage's bytes (only groups of two or more).
+
+    A group may also hold ``("in", k)``: side input ``k``, whose gradient a later consumer already
+    made as a view of that same storage (a concatenation after layer ``j`` hands a slice to its
+    output and one to the side tensor, and layer ``j`` adds the next contribution, ``grad_split``):
+    the storage then lives until layer ``j``'s contribution is summed in, not only while its own
+    output gradient is used."""
     keys: list[tuple] = [("view", grad_root[j])] if io.main_out is not None else []
     keys += [side[t].grad_storage(j)[0] if side[t].grad_bytes else ("none", t) for t in io.side_out]
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list] = {}
     for k, key in enumerate(keys):
         groups.setdefault(key, []).append(k)
+    for k, t in enumerate(io.side_in):
+        st = side[t]
+        if st.grad_bytes and st.grad_view >= 0 and st.grad_split == j and st.grad_last > j:
+            key = st.grad_storage(j)[0]
+            if key[0] == "view" and key in groups:  # (one of its outputs' gradients views it too)
+                groups[key].append(("in", k))
     out = []
     for key, members in groups.items():
         if len(members) > 1 and key[0] == "view":
             sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
+            sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
+    return tuple(out)
+
+
+def _out_grad_layout(j: int, layers: list[Layer], grad_store: list[int]) -> tuple | None:
+    """``(nbytes, stride, offset)`` of layer ``j``'s output gradient when the next layer's backward hands
+    it a slice of a larger storage (a concatenation's, not contiguous when the slice is along a
+    later dimension: an op that needs it contiguous copies it); None otherwise."""
+    if j + 1 >= len(layers) or not layers[j].costs.a:
+        return None
+    nxt = layers[j + 1]
+    m = nxt.costs
+    if not nxt.input_node or m.gin_layout is None:  # (a slice of its output gradient, or of one made inside it)
+        return None
+    return (int(grad_store[j]), tuple(m.gin_layout[0]), int(m.gin_layout[1]))
+
+
+def _held_pending(j: int, io: Any, side: list[SideTensor]) -> tuple[bool, ...]:
+    """Per side input of layer ``j``: its gradient, pending when ``j``'s backward runs, is a view of a
+    storage that another side tensor's gradient still views after ``j`` sums its contribution in (an
+    addition later on hands one gradient to several tensors): the storage outlives that sum."""
+    out = []
+    for t in io.side_in:
+        st = side[t]
+        held = False
+        if st.grad_bytes and st.grad_view >= 0 and st.grad_split == j < st.grad_last:
+            held = any(u != t and side[u].grad_bytes and side[u].grad_view == st.grad_view
+                       and side[u].grad_split < j < side[u].grad_last for u in range(len(side)))
+        out.append(held)
     return tuple(out)
 
 
