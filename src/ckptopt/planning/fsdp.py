@@ -151,7 +151,10 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
     L = d["layers"]
     L["f"] = [int(x) for x in np.maximum(f, moment) + rec]
     L["fs"] = [int(x) for x in np.maximum(fs, moment) + rec]
-    for k in ("b", "bk", "bf"):
+    for k in ("ff", "ffs"):  # (the same with the input dying at its last use)
+        if L.get(k) is not None:
+            L[k] = [int(x) for x in np.maximum(np.asarray(L[k], dtype=np.int64), moment) + rec]
+    for k in ("b", "bk", "bf", "br", "bkr"):
         if k in L:
             L[k] = [int(x) + int(y) for x, y in zip(L[k], bwd)]
     for k in ("fpre", "fpost"):

@@ -232,14 +232,15 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
     for t in range(3 * w):
         out[t] = NEG
     Pl = K.P[l]
-    out[0] = K.f[l] + live_in + fadd[l]
+    free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
+    out[0] = (K.ff[l] if free else K.f[l]) + live_in + fadd[l]
     trigger = r
     if unwrapped:
         for i in range(l + 1, r + 1):
             out[i - l] = K.P[i] - Pl + K.qf[i] + fadd[i]
     else:
         for i in range(l + 1, r + 1):
-            out[i - l] = K.fw[i] + fadd[i]
+            out[i - l] = K.fw[i] + live_in + fadd[i]
         trigger, e, partial = recompute_span(l, r, K)
         base = K.rb[r]
         for i in range(l, e + 1):
@@ -255,9 +256,9 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         if freed_before > r:
             freed_before = l
     for i in range(r, l - 1, -1):
-        q = K.qb[i]
+        q = K.qb[i] if unwrapped else K.qbr[i]
         if i == l and l > 0 and not prev_keeps:
-            q = K.qbf[i] if unwrapped else K.qbk[i]
+            q = K.qbf[i] if unwrapped else K.qbkr[i]
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
