@@ -1,0 +1,142 @@
+"""One rank of DDP and FSDP2: predicted against measured, on a fake process group (issue 21).
+
+The model is ``tests/common/ranks.py``'s residual-MLP blocks (widths that 2, 4 and 8 do not
+divide, so FSDP2 pads its shards and every rank's optimizer state differs). For each strategy
+(DDP; FSDP2 ``fully_shard`` on each block and the root), world size, rank and optimizer,
+``ckptopt.estimate(..., parallel=Parallel(W, strategy, rank=r))`` predicts the rank's step with no
+checkpointing and with the optimal plan, and ``ckptopt.measure.measure_rank_step`` measures one
+steady-state step of that rank under the exact storage tracker, in this process, on PyTorch's fake
+process group (collectives move no data; a rank allocates what a real one does). A gap of 8 B is
+the scalar loss and its gradient (not in the cost model). Then PyTorch's own
+``FSDPMemTracker`` measures the module ``optimize_checkpoints(..., parallel=...)`` shards, at 8
+and 64 ranks. DDP runs as real processes over gloo (2 and 4 ranks, every rank; FSDP2 too), with
+``tests/test_parallel.py``'s workers: DDP's communication hook does not run on the fake group.
+
+    python benchmarks/ranks_accuracy.py
+
+writes benchmarks/results/ranks_accuracy.json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # tests.common.ranks
+sys.path.insert(0, HERE)
+
+from _common import run_metadata  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "ranks_accuracy.json")
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def tracker_rows(worlds=(8, 64)) -> list[dict]:
+    """FSDPMemTracker's steady-state peak of the module optimize_checkpoints shards."""
+    import torch
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from ckptopt import estimate, optimize_checkpoints
+    from ckptopt.planning import Parallel
+    from tests.common.ranks import make
+
+    rows = []
+    for world in worlds:
+        model, x = make()
+        par = Parallel(world, "fsdp")
+        with fake_world(world, 0):
+            est = estimate(model, x, optimizer="adam", parallel=par)
+            module = optimize_checkpoints(model, x, parallel=par)
+            opt = torch.optim.Adam(module.parameters())
+            peaks = []
+            for _ in range(2):  # the first step allocates the optimizer's state
+                fmt = FSDPMemTracker(module, opt)
+                fmt.track_inputs((x,))
+                with fmt:
+                    loss = module(x).float().pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    del loss
+                peaks.append(int(fmt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]))
+        rows.append(dict(world=world, plan=list(module.plan.checkpoints), predicted=est.optimal.peak_bytes,
+                         fsdp_mem_tracker=peaks[1], gap=peaks[1] - est.optimal.peak_bytes))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def gloo_rows(worlds=(2, 4)) -> list[dict]:
+    """Real processes over gloo, every rank: DDP (Adam), DDP with gradient_as_bucket_view (SGD), FSDP2 (Adam)."""
+    import tempfile
+
+    from tests.test_parallel import _run_gloo
+
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = _run_gloo(world, tmp)
+        for rank, res in enumerate(results):
+            if "error" in res:
+                raise RuntimeError(f"gloo rank {rank} of {world} failed:\n{res['error']}")
+            for strategy, optimizer, label, plan, predicted, measured in res["rows"]:
+                rows.append(dict(backend="gloo", strategy=strategy, world=world, rank=rank, optimizer=optimizer,
+                                 plan=label, checkpoints=list(plan), predicted=predicted, measured=measured,
+                                 gap=measured - predicted))
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> int:
+    from ckptopt.planning import Parallel
+    from tests.common.ranks import predicted_and_measured
+
+    rows = []
+    for strategy in ("fsdp",):  # (DDP's communication hook needs a real backend: gloo below)
+        for world in (2, 4, 8):
+            for rank in sorted({0, world - 1}):
+                for optimizer in ("sgd", "adam"):
+                    with fake_world(world, rank) as mesh:
+                        got = predicted_and_measured(Parallel(world, strategy, rank=rank), optimizer, mesh=mesh)
+                    for label, plan, predicted, measured in got:
+                        rows.append(dict(backend="fake", strategy=strategy, world=world, rank=rank, optimizer=optimizer, plan=label,
+                                         checkpoints=list(plan), predicted=predicted, measured=measured,
+                                         gap=measured - predicted))
+                        print(json.dumps(rows[-1]), flush=True)
+    rows += gloo_rows()
+    tracked = tracker_rows()
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT, "w") as f:
+        json.dump(dict(meta=run_metadata("ranks_accuracy"), rows=rows, fsdp_mem_tracker=tracked), f, indent=1)
+    print("\n| process group | strategy | world | rank | optimizer | plan | predicted | measured | gap |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['strategy']} | {r['world']} | {r['rank']} | {r['optimizer']} | {r['plan']} {tuple(r['checkpoints'])} | "
+              f"{r['predicted']:,} | {r['measured']:,} | {r['gap']:+,} |")
+    for backend in ("fake", "gloo"):
+        sel = [r for r in rows if r["backend"] == backend]
+        print(f"\n{backend}: {len(sel)} rank steps, {sum(r['gap'] == 8 for r in sel)} measured = predicted + 8 B; "
+              f"gaps {sorted({r['gap'] for r in sel})}")
+    for t in tracked:
+        print(f"FSDPMemTracker at {t['world']} ranks: {t['fsdp_mem_tracker']:,} B, predicted {t['predicted']:,} B "
+              f"({t['gap']:+} B)")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
