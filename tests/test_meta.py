@@ -148,3 +148,20 @@ def test_calibrating_a_meta_model_is_refused_with_what_to_do():
         max_batch(meta, mx, memory="64MiB", calibrate=True)
     with pytest.raises(ValueError, match=r"but the model is on meta"):
         estimate(meta, mx, calibrate=True)
+
+
+def test_a_wide_meta_llama_traces_with_gradients_handed_out_as_slices():
+    """Llama-3-8B's width at 8 decoder layers (sequence 1024), on the meta device: the attention's
+    key projection gets its output gradient as a slice of a larger storage, which the layer copies
+    out and lets go before its backward first reads a saved tensor. That storage left the measured
+    bytes whole, and rg came out negative (InvalidCosts: "field 'rg' index 13: -4194304 is
+    negative"): the 8- and 16-layer rows of benchmarks/full_size.py failed so."""
+    from ckptopt import estimate
+    from ckptopt._models import load_model
+
+    cfg = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=1024, max_position_embeddings=8192)
+    model, inputs = load_model("hf:LlamaForCausalLM", 1, 1024, "bf16", config=cfg, meta=True)
+    est = estimate(model.train(), inputs, optimizer="adamw")  # (raised InvalidCosts)
+    assert 0 < est.optimal.peak_bytes <= est.no_checkpointing.peak_bytes
+    assert est.param_bytes == sum(p.numel() * 2 for p in model.parameters())
