@@ -370,8 +370,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         def unpack(box: _Packed) -> torch.Tensor:
             if not first_unpack:  # (as with the input held: nothing died yet but it)
                 first_unpack.append(tracker.current_bytes + (input_bytes if x_ptr in deaths else 0))
-                # the injected output gradient already gone (a slice of a larger storage, copied out and
-                # let go): it left the bytes with its whole storage, counted as a gradient of its own size
+                # the injected output gradient already gone (used up by ops that save nothing): with it
+                # went its whole storage, which in the model outlives it where that storage is larger (a
+                # slice of a concatenation's gradient whose other slices are still to be used)
                 first_unpack.append("out_freed" in record)
             t = box.t
             if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
@@ -588,9 +589,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         gin_is_out=bool(record.get("in_is_out", False)),
         gin_layout=record.get("in_layout"),
         # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
-        # storage shared with other gradients (shared_out_grads) larger: the model counts g for it
-        rg=int(max(0, first_unpack[0] - backward_start - pending) - (ga if first_unpack[1] else out_main or ga) + a)
-        if first_unpack else int(a),
+        # storage shared with other gradients (shared_out_grads) larger: the model counts g for it. An
+        # output gradient gone by then is gone in the model too, unless its storage is larger (a slice):
+        # that storage is held on by the other slices (counted whole, g), conservatively
+        rg=int(max(0, first_unpack[0] - backward_start - pending) + a
+               - ((0 if out_main > ga else ga) if first_unpack[1] else out_main or ga)) if first_unpack else int(a),
         ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
