@@ -748,3 +748,26 @@ def test_regression_a_gradient_slice_used_up_early_keeps_its_storage_while_other
     assert side.consumers == (5,) and side.grad_view == 5  # the concatenation's gradient, shared
     _assert_exact(model, x, tm, [(), (5,), (7,), (5, 7), (2, 5)])
     check_random_model(REGRESSION_SLICE_OUTLIVES_ITS_USE)
+
+
+# Found by benchmarks/exactness_fuzz.py (the same run: an encoder-decoder model under-predicted by 72 B
+# on one sampled plan, and by the whole side tensor, 2,048 B, on eleven others): the addition hands
+# the decoder's layer (a GroupNorm and an in-place multiply) and the encoder output one gradient.
+# The layer uses its own up in the multiply's backward before the GroupNorm's reads a saved tensor;
+# measured alone it is gone, but in the model the encoder output's pending gradient (the same
+# storage) holds it on: the tracer takes rgk there.
+REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE = Spec(family='conv', dtype='float64', batch=4, shape=(4, 4, 4),
+    nodes=(Node(op='dropout', inputs=(0,)), Node(op='relu', inputs=(1,)), Node(op='gn', inputs=(2,)),
+           Node(op='silu', inputs=(3,)), Node(op='gn', inputs=(0,), inplace='mul_'),
+           Node(op='add', inputs=(4, 5), inplace='mul_'), Node(op='relu', inputs=(6,))),
+    classes=1, input_requires_grad=False, dropout_p=0.3, kind='enc-dec')
+
+
+def test_regression_a_gradient_used_up_early_is_held_on_by_a_side_tensor_sharing_it():
+    model, x = build(REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE, seed=417308059)
+    model.train()
+    tm = trace(model, (x,))
+    (side,) = tm.costs.side
+    assert side.consumers == (3,) and side.grad_view == 2
+    _assert_exact(model, x, tm, [(), (3,), (4,), (1, 3), (3, 5), (1, 2, 3, 4)])
+    check_random_model(REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE)

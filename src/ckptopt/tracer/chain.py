@@ -309,7 +309,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
             a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
             sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff,
             ffs=[l.costs.fs if l.costs.ffs is None else l.costs.ffs for l in layers],
-            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=[l.costs.rg for l in layers],
+            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=_rg(layers, side, grad_root),
             bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
             bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
             br=[l.costs.b if l.costs.br is None else l.costs.br for l in layers],
@@ -363,6 +363,19 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
                        inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta,
                        max_crossing=max_crossing)
+
+
+def _rg(layers: list[Layer], side: list, grad_root: list[int]) -> list[int]:
+    """Each layer's ``rg``: measured alone, an output gradient its backward uses up before it first
+    reads a saved tensor is gone with its storage; in the model a side tensor's pending gradient that
+    views the same storage (an addition hands both one gradient, a concatenation slices of one) holds
+    it on, until that side tensor's producer runs its backward (``rgk``)."""
+    held = {t.grad_view for t in side if t.grad_view is not None and t.grad_view >= 0}
+    out = []
+    for j, l in enumerate(layers):
+        shared = grad_root[j] in held and any(t.grad_view == grad_root[j] and t.producer < j for t in side)
+        out.append(l.costs.rgk if shared and l.costs.rgk is not None else l.costs.rg)
+    return out
 
 
 def _prefix_peak(hoisted: list[fx.Node], values: dict, existing: list) -> int:

@@ -44,6 +44,7 @@ class LayerMeasurement:
     input_bytes: int = 0
     fs: int | None = None
     rg: int | None = None
+    rgk: int | None = None  # rg where a side tensor's pending gradient holds the output gradient's storage
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
@@ -565,6 +566,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             tracker.detach()
 
     sout = y_ptr is not None and y_ptr in saved
+    unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
     # a side output that is the input itself (a same-dtype cast of a residual crossing on to later
     # layers) carries that storage from here: counted once, as the side tensor
     sin = x_ptr is not None and x_ptr in saved and x_ptr != y_ptr and x_ptr not in side_y_ptrs
@@ -591,9 +593,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
         # storage shared with other gradients (shared_out_grads) larger: the model counts g for it. An
         # output gradient gone by then is gone in the model too, unless its storage is larger (a slice):
-        # that storage is held on by the other slices (counted whole, g), conservatively
-        rg=int(max(0, first_unpack[0] - backward_start - pending) + a
-               - ((0 if out_main > ga else ga) if first_unpack[1] else out_main or ga)) if first_unpack else int(a),
+        # that storage is held on by the other slices (counted whole, g), conservatively; rgk keeps it
+        # whatever its size (a side tensor's pending gradient views it: the tracer picks)
+        rg=int(unpack_gain + a - ((0 if out_main > ga else ga) if first_unpack[1] else out_main or ga))
+        if first_unpack else int(a),
+        rgk=int(unpack_gain + a - (0 if first_unpack[1] else out_main or ga)) if first_unpack else int(a),
         ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
