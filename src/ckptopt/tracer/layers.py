@@ -220,16 +220,25 @@ class _Found:
     grad_by: dict[int, set[int]]  # side tensor -> the consumers whose backward adds to its gradient
     release: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
+    together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    # (saving layer, side tensors it lets go at one moment: the same split)
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
+        split = []
         for t, saved, rel in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in)):
             if saved:
                 self.saved[t].add(j)
                 self.release[(t, j)] = rel
+                split += [(t, tuple(rel))] if rel is not None else []
         for t, saved, rel in zip(io.side_out, m.side_out_saved, m.side_out_release or [None] * len(io.side_out)):
             if saved:
                 self.saved[t].add(j)
                 self.release[(t, j)] = rel
+                split += [(t, tuple(rel))] if rel is not None else []
+        for rel in {r for _, r in split}:
+            together = [t for t, r in split if r == rel]
+            if len(together) > 1:  # (several let go at one moment: side_tensors chains their splits)
+                self.together.append((j, together))
         for t, gbytes, is_out, shares in zip(io.side_in, m.side_in_grad, m.side_in_grad_is_out,
                                               m.side_in_grad_shares):
             if gbytes is not None:
@@ -244,6 +253,7 @@ class _Found:
 
     def side_tensors(self, streams: Streams, values: dict, grad_store: list[int],
                      grad_root: list[int]) -> list[SideTensor]:
+        self._chain_splits(streams, values)
         side = []
         for t, node in enumerate(streams.nodes):
             v = values[node]
@@ -269,6 +279,22 @@ class _Found:
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else ()))
         return side
+
+
+    def _chain_splits(self, streams: Streams, values: dict) -> None:
+        """Side tensors a layer lets go at one moment: each split was measured with the others held
+        throughout, and the simulator adds them one by one (``max(pre + x, post)`` each), where the
+        peak before is theirs together (a product of two side tensors was under by one of them). The
+        k-th adds ``f(x_1 + .. + x_k) - f(x_1 + .. + x_k-1)``, ``f(x) = max(pre + x, post)`` (its
+        split's ``pre`` raised by the ones before it): all held, exactly theirs together; some not held
+        by the segment, at least their own (``f`` is convex), never under."""
+        for j, members in self.together:
+            pre, post = self.release[(members[0], j)]
+            before = 0
+            for t in members:
+                self.release[(t, j)] = (pre + before, post)
+                before += storage_nbytes(values[streams.nodes[t]])
+        self.together = []
 
 
 def _merge_early(groups: dict[tuple, list], n: int) -> dict[tuple, list]:
