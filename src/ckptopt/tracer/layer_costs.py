@@ -592,11 +592,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         gin_layout=record.get("in_layout"),
         # rg as with an a-byte output gradient (ChainCosts.rg); the gradient of a view is smaller, and a
         # storage shared with other gradients (shared_out_grads) larger: the model counts g for it. An
-        # output gradient gone by then is gone in the model too, unless its storage is larger (a slice):
-        # that storage is held on by the other slices (counted whole, g), conservatively; rgk keeps it
-        # whatever its size (a side tensor's pending gradient views it: the tracer picks)
-        rg=int(unpack_gain + a - ((0 if out_main > ga else ga) if first_unpack[1] else out_main or ga))
-        if first_unpack else int(a),
+        # output gradient gone by then (its whole storage with it: a slice copied out and let go) is
+        # gone in the model too, where the kernels add g - a back (rb), so rg may come out below 0:
+        # taken as 0 (Llama-3-8B's width: the key projection's gradient), never under. rgk keeps it,
+        # storage and all (a side tensor's pending gradient views it: the tracer picks, chain._rg)
+        rg=int(max(0, unpack_gain + a - (out_main or ga))) if first_unpack else int(a),
         rgk=int(unpack_gain + a - (0 if first_unpack[1] else out_main or ga)) if first_unpack else int(a),
         ga=int(ga),
         dead=bool(dead_packs),
