@@ -306,3 +306,34 @@ def test_encoder_decoder_masks_are_held_each_for_its_own_stack():
     assert not any(min(t.consumers) < first_decoder <= max(t.consumers) for t in early), early
     plan = solve(tm.costs, "auto")
     assert 0 <= measure_peak(model, batch, checkpoints=plan) - plan.peak_bytes <= 8
+
+
+def test_a_layer_whose_only_output_is_a_side_tensor_counts_its_gradient_in_its_backward():
+    """Whisper's decoder token embedding makes no chain tensor, only the embeddings the positions are
+    added to later (a side tensor whose gradient is the addition's, a view of a later layer's storage).
+    The side-gradient count skipped it there as the layer's own chain gradient, which is 0 for such a
+    layer: every plan peaking in that backward (the embedding's dense gradient) was under by it."""
+    from ckptopt import Plan, apply_plan, simulate, trace
+
+    cfg = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=512, num_mel_bins=8, max_source_positions=50,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        begin_suppress_tokens=None, suppress_tokens=None)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(cfg).train()
+    gen = torch.Generator().manual_seed(0)
+    batch = dict(input_features=torch.randn(1, 8, 100, generator=gen),
+                 labels=torch.randint(8, 480, (1, 16), generator=gen))
+    tm = trace(model, batch)
+    j = [layer.name for layer in tm.layers].index("model.decoder.embed_tokens")
+    assert tm.costs.a[j] == 0 and any(t.producer == j and t.grad_view >= 0 for t in tm.costs.side)
+    for cps in [(), (j + 1,), (j + 2,)]:
+        pred = simulate(tm.costs, cps)
+        opt = apply_plan(model, tm, Plan(cps, pred.peak_bytes, "given", 0.0, tm.n, ()))
+        torch.manual_seed(0)
+        try:
+            gap = measure_peak(opt, batch) - pred.peak_bytes
+        finally:
+            opt.remove_hooks()
+        assert 0 <= gap <= 8, (cps, pred.phase, pred.layer, gap)  # (was 2,052 B under)

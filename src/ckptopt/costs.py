@@ -670,7 +670,7 @@ class ChainCosts:
     def side_arrays(self) -> SideArrays:
         """The side tensors as arrays for the compiled kernels (:class:`SideArrays`; built once)."""
         return SideArrays.build(self.n, self.side, self._fields["groot"], self._fields["gh"],
-                                self._fields.get("fpre"), self._fields.get("fpost"))
+                                self._fields.get("fpre"), self._fields.get("fpost"), self._fields.get("g"))
 
     # -- derived quantities (used by the simulator and the solvers) -------------
     @cached_property

@@ -165,7 +165,7 @@ class SideArrays(NamedTuple):
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
               gh: Sequence[int] | None = None, fpre: Sequence[int] | None = None,
-              fpost: Sequence[int] | None = None) -> "SideArrays":
+              fpost: Sequence[int] | None = None, g: Sequence[int] | None = None) -> "SideArrays":
         m = len(side)
         sa = [t.bytes for t in side]
         sg = [t.grad_bytes for t in side]
@@ -209,8 +209,12 @@ class SideArrays(NamedTuple):
                             size = vmax[key[1]]
                         if key != chain_key:  # (that one is the chain gradient the kernels count ...)
                             keys[key] = max(keys.get(key, 0), size)
-                        elif i > t.grad_split:  # (its next contribution, summed at or after layer i's
-                            outlives = True     # backward, lets the view go within it)
+                        else:
+                            if lo == 0 and g is not None and size > g[i]:  # (... as g[i]: 0 for a layer
+                                # whose only output is this side tensor; the rest is counted here)
+                                keys[("short", i)] = max(keys.get(("short", i), 0), size - int(g[i]))
+                            if i > t.grad_split:  # (its next contribution, summed at or after layer i's
+                                outlives = True     # backward, lets the view go within it)
                 # ... but it then outlives the layer's backward, which its b assumed freed
                 out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
         svptr, svu, svpre, svpost, hasrel = [0], [], [], [], []

@@ -182,6 +182,9 @@ def _full(c, checkpoints, stored):
                  if t.producer <= i < t.grad_last and t.grad_bytes}
         if f"sgv{groot[i]}" in live:  # layer i's own output gradient is the chain's g{i}, which then
             live.discard(f"sgv{groot[i]}")  # outlives the layer's backward (when an earlier layer's
+            if size[f"sgv{groot[i]}"] > g[i]:  # (g{i} smaller: 0 for a layer whose only output is
+                size[f"gs{i}"] = size[f"sgv{groot[i]}"] - g[i]  # the side tensor; the rest counted)
+                live.add(f"gs{i}")
             if any(i > t.grad_split and side_grad_token(j, i) == f"sgv{groot[i]}"  # tensor views it): gh more
                    for j, t in enumerate(side) if t.producer <= i < t.grad_last and t.grad_bytes):
                 live.add(f"gh{i}")
