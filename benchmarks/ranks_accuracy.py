@@ -19,7 +19,6 @@ writes benchmarks/results/ranks_accuracy.json and prints a Markdown table.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -29,21 +28,9 @@ sys.path.insert(0, os.path.join(HERE, ".."))  # tests.common.ranks
 sys.path.insert(0, HERE)
 
 from _common import run_metadata  # noqa: E402
+from tests.common.ranks import fake_world  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "ranks_accuracy.json")
-
-
-@contextlib.contextmanager
-def fake_world(world: int, rank: int):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield init_device_mesh("cpu", (world,))
-    finally:
-        dist.destroy_process_group()
 
 
 def tracker_rows(worlds=(8, 64)) -> list[dict]:

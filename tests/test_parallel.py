@@ -13,7 +13,6 @@ SGD and Adam. A measured peak is the prediction plus the 8-byte loss and its gra
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -24,22 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ckptopt.planning import Parallel
-from tests.common.ranks import make, predicted_and_measured
+from tests.common.ranks import fake_world, make, predicted_and_measured
 
 LOSS = 8  # the scalar loss and its gradient, not in the cost model
 TIMEOUT_S = 240
-
-
-@contextlib.contextmanager
-def fake_world(world: int, rank: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield init_device_mesh("cpu", (world,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world,rank,optimizer", [(2, 0, "sgd"), (4, 3, "adam"), (8, 5, "adam")])

@@ -30,7 +30,6 @@ Design note (``docs/design.md`` §6):
 
 from __future__ import annotations
 
-import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -42,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .plan import Plan
 from .simulator import simulate
-from .torch_utils import Inputs
+from .torch_utils import Inputs, inputs_from_list
 from .tracer.chain import TracedModel
 from .tracer.cuts import subgraph_module
 from .units import format_bytes
@@ -459,16 +458,7 @@ def _take_inputs_from_list(sub: fx.GraphModule) -> None:
     the unmodified model does (found by random-model fuzzing: the input of a
     last segment whose ops do not save it stayed alive through its forward).
     """
-    g = sub.graph
-    old = [n for n in g.nodes if n.op == "placeholder"]
-    body = next(n for n in g.nodes if n.op != "placeholder")  # the output node at the latest
-    with g.inserting_before(body):  # inserting_before keeps the new nodes in order
-        box = g.placeholder("ckptopt_inputs")
-        taken = [g.call_function(operator.getitem, (box, i)) for i in range(len(old))]
-        g.call_method("clear", (box,))
-    for ph, t in zip(old, taken):
-        ph.replace_all_uses_with(t)
-        g.erase_node(ph)
+    inputs_from_list(sub.graph)
     sub.recompile()
 
 

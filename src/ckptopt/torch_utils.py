@@ -598,3 +598,23 @@ def no_lasting_state(model: nn.Module, inputs: Any, dev: torch.device):
         for t, g in zip(input_leaves, old_input_grads):
             t.grad = g
         _restore_buffers(buffers)
+
+
+def inputs_from_list(graph: "torch.fx.Graph") -> bool:
+    """Rewrite ``graph`` (in place) to take its inputs as one list, which it empties on entry, so an
+    input nothing else holds is freed after its last use inside it (a ``forward(*inputs)`` call's
+    argument tuple would hold every input until it returns). False, unchanged, when it has no input."""
+    import operator
+
+    old = [n for n in graph.nodes if n.op == "placeholder"]
+    if not old:
+        return False
+    body = next(n for n in graph.nodes if n.op != "placeholder")  # the output node at the latest
+    with graph.inserting_before(body):  # inserting_before keeps the new nodes in order
+        box = graph.placeholder("ckptopt_inputs")
+        taken = [graph.call_function(operator.getitem, (box, i)) for i in range(len(old))]
+        graph.call_method("clear", (box,))
+    for ph, t in zip(old, taken):
+        ph.replace_all_uses_with(t)
+        graph.erase_node(ph)
+    return True

@@ -3,6 +3,7 @@ in-process runs (fake process group) and the spawned gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -38,6 +39,21 @@ class Blocks(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int):
+    """PyTorch's fake process group as rank ``rank`` of ``world`` (collectives move no data; memory is
+    what a real rank allocates), with a 1-D CPU device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
 
 
 def make(d: int = 64, batch: int = 32):

@@ -61,24 +61,16 @@ def _list_input_copy(module: nn.Module) -> nn.Module | None:
     (sharing its submodules and parameters), so that an input nothing else holds is freed after its
     last use inside it; None for another module."""
     import copy
-    import operator
 
     import torch.fx as fx
+
+    from ..torch_utils import inputs_from_list
 
     if not isinstance(module, fx.GraphModule):
         return None
     g = copy.deepcopy(module.graph)
-    old = [n for n in g.nodes if n.op == "placeholder"]
-    if not old:
+    if not inputs_from_list(g):
         return None
-    body = next(n for n in g.nodes if n.op != "placeholder")
-    with g.inserting_before(body):
-        box = g.placeholder("ckptopt_inputs")
-        taken = [g.call_function(operator.getitem, (box, i)) for i in range(len(old))]
-        g.call_method("clear", (box,))
-    for ph, t in zip(old, taken):
-        ph.replace_all_uses_with(t)
-        g.erase_node(ph)
     return fx.GraphModule(module, g)
 
 
