@@ -114,6 +114,50 @@ def _train_fsdp2_one_call(rank, batches):
     return state, opt.plan.checkpoints
 
 
+def make_llama():
+    """A small transformers Llama (captured by torch.export, whose graph inlines the decoder layers)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def llama_batches():
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 64, (4 * WORLD, 64), generator=g) for _ in range(STEPS)]
+
+
+def train_llama(model, params, batches):
+    opt = torch.optim.SGD(params, lr=0.1)
+    for ids in batches:
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+
+def _train_fsdp2_one_call_hf(rank, batches):
+    from ckptopt import optimize_checkpoints
+    from ckptopt.planning import Parallel
+
+    model = make_llama()
+    ids = [b.chunk(WORLD)[rank] for b in llama_batches()]
+    # one call on a model only torch.export captures: each decoder layer's operations run through the
+    # layer's own call, so FSDP2's hooks gather it
+    opt = optimize_checkpoints(model, {"input_ids": ids[0], "labels": ids[0]}, parallel=Parallel(WORLD, "fsdp"))
+    assert opt is model and type(model.model.layers[0]).__name__ == "FSDPLlamaDecoderLayer"
+    calls = [n for n in model.traced.gm.graph.nodes if n.op == "call_module"]
+    assert len(calls) == 3, calls  # one call per decoder layer
+    train_llama(model, model.parameters(), ids)
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
+    return state, model.plan.checkpoints
+
+
+_MODES = (("ddp", _train_ddp), ("fsdp2", _train_fsdp2), ("fsdp2-one-call", _train_fsdp2_one_call),
+          ("fsdp2-one-call-hf", _train_fsdp2_one_call_hf))
+
+
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import traceback
 
@@ -121,7 +165,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
         batches = [(x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]) for x, y in global_batches()]
-        for mode, fn in (("ddp", _train_ddp), ("fsdp2", _train_fsdp2), ("fsdp2-one-call", _train_fsdp2_one_call)):
+        for mode, fn in _MODES:
             try:
                 state, checkpoints = fn(rank, batches)
                 result = {"state": {k: v.detach().clone() for k, v in state.items()}, "checkpoints": checkpoints}
@@ -157,7 +201,7 @@ def two_rank_results(tmp_path_factory) -> dict:
             if p.is_alive():
                 p.kill()
     return {mode: [torch.load(os.path.join(out_dir, f"{mode}-rank{r}.pt")) for r in range(WORLD)]
-            for mode in ("ddp", "fsdp2", "fsdp2-one-call")}
+            for mode, _ in _MODES}
 
 
 def single_process_reference() -> dict:
@@ -203,3 +247,22 @@ def test_fsdp2_in_one_call_without_leaf_modules(two_rank_results):
     results = _results(two_rank_results, "fsdp2-one-call")
     _assert_same_parameters(results, single_process_reference())
     assert results[0]["checkpoints"] == results[1]["checkpoints"]
+
+
+def test_fsdp2_in_one_call_on_an_exported_transformers_model(two_rank_results):
+    """A transformers model (only torch.export captures it: its graph inlines every decoder layer) planned
+    and sharded in one call trains on two ranks as one process does on the global batch."""
+    pytest.importorskip("transformers")
+    results = _results(two_rank_results, "fsdp2-one-call-hf")
+    model = make_llama()
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train_llama(model, model.parameters(), llama_batches())
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for r, res in enumerate(results):
+        assert res["state"].keys() == ref.keys()
+        for k in ref:
+            if "rotary" not in k:
+                assert not torch.equal(ref[k], start[k]), f"{k} did not train"
+            torch.testing.assert_close(res["state"][k], ref[k], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {r}, {k}: {m}")
+    assert results[0]["checkpoints"] and results[0]["checkpoints"] == results[1]["checkpoints"]

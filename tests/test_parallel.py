@@ -128,7 +128,7 @@ def test_gloo_ranks_measure_what_was_predicted(world, tmp_path):
     when the next one is made (its frees follow the collectives' completion, not the program order)."""
     from ckptopt import trace
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts
+    from ckptopt.planning.units import param_facts, repeated_blocks
 
     results = _run_gloo(world, str(tmp_path))
     for r, res in enumerate(results):
@@ -151,20 +151,57 @@ def test_gloo_ranks_measure_what_was_predicted(world, tmp_path):
     assert sum(m - p == LOSS for p, m in fsdp) >= len(fsdp) // 2, fsdp  # most are exact
 
 
-def test_fsdp2_planning_refuses_a_model_only_torch_export_captures():
+def _small_llama(layers: int = 3):
     transformers = pytest.importorskip("transformers")
-    from ckptopt import TraceError, optimize_checkpoints
-
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=64)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
-    ids = torch.randint(0, 64, (2, 8))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(TraceError, match=r"needs a torch.fx graph that calls the blocks FSDP2 shards "
-                                         r"\(model.layers.0, model.layers.1\).*estimate their per-rank memory"):
-        optimize_checkpoints(model, {"input_ids": ids, "labels": ids}, parallel=Parallel(2, "fsdp"))
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+@pytest.mark.parametrize("world,rank,optimizer", [(2, 1, "sgd"), (4, 0, "adam")])
+def test_fsdp2_rank_of_an_exported_transformers_model_is_predicted_to_the_byte(world, rank, optimizer):
+    """A transformers model (torch.export inlines its decoder layers) planned for one FSDP2 rank: each
+    decoder layer's call is one layer again, run through the layer's own call (FSDP2's hooks gather it);
+    the rank's measured step is the prediction and the loss, without checkpointing and with the plan."""
+    import copy
+
+    from ckptopt import estimate
+    from ckptopt.measure import measure_rank_step
+
+    model = _small_llama()
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    par = Parallel(world, "fsdp", rank=rank)
+    with fake_world(world, rank) as mesh:
+        est = estimate(model, batch, optimizer=optimizer, parallel=par)
+        assert est.optimal.checkpoints, "the plan checkpoints"
+        for pe in (est.no_checkpointing, est.optimal):
+            measured = measure_rank_step(copy.deepcopy(model), batch, par, optimizer=optimizer,
+                                         checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
+                                         loss_fn=lambda out: out.loss)
+            assert measured - pe.peak_bytes == LOSS, (pe.label, pe.checkpoints, pe.peak_bytes, measured)
+
+
+def test_fsdp2_in_one_call_frees_the_unsharded_parameters_of_an_exported_model():
+    """The exported graph module holds a copy of the module tree with the original parameters: after
+    fully_shard they are the graph's to drop, or every rank would keep the whole model."""
+    import gc
+    import weakref
+
+    from ckptopt import optimize_checkpoints
+
+    model = _small_llama()
+    ids = torch.randint(0, 64, (4, 64))
+    originals = [weakref.ref(p) for p in model.parameters()]
+    with fake_world(2, 0):
+        out = optimize_checkpoints(model, {"input_ids": ids, "labels": ids}, parallel=Parallel(2, "fsdp"))
+        gc.collect()
+        alive = [r() is not None for r in originals]
+        assert not any(alive), f"{sum(alive)} of {len(alive)} unsharded parameters still alive"
+        assert type(out.model.layers[0]).__name__ == "FSDPLlamaDecoderLayer"
+        out(input_ids=ids, labels=ids).loss.backward()
+        assert all(type(p.grad).__name__ == "DTensor" for p in out.parameters())
 
 
 def test_estimate_of_a_transformers_model_prices_its_decoder_layers_as_units():
@@ -181,11 +218,11 @@ def test_estimate_of_a_transformers_model_prices_its_decoder_layers_as_units():
     from ckptopt.planning.estimate import optimal_plan, peak_estimate
     from ckptopt.planning.optimizer import optimizer_memory
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts
+    from ckptopt.planning.units import param_facts, repeated_blocks
 
     batch = {"input_ids": ids, "labels": ids}
     two = estimate(model, batch, optimizer="adamw", parallel=Parallel(2, "fsdp"))
-    tm = trace(model, batch)
+    tm = trace(model, batch, leaf_modules=repeated_blocks(model))  # (the blocks whole, as estimate plans them)
     facts = param_facts(model, tm)
     assert facts.unit_names == ("model.layers.0", "model.layers.1", "model.layers.2")
     peaks = {}

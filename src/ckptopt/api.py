@@ -87,10 +87,10 @@ def optimize_checkpoints(
         memory that rank holds (``docs/design.md`` §13). ``Parallel(W, "ddp")``: DDP's gradient
         buckets count (wrap the returned module in ``DistributedDataParallel`` yourself).
         ``Parallel(W, "fsdp")``: the repeated blocks stay whole in the graph (FSDP2 gathers a
-        block when it is called), the plan is chosen for FSDP2's per-rank memory, and the
-        returned module is sharded with ``fully_shard`` on each block and on itself (the
-        process group must be initialized; the default device mesh). Models that only
-        ``torch.export`` captures (their graph does not call the blocks) are refused.
+        block when it is called: an exported graph calls each block again, through
+        :class:`~ckptopt.tracer.capture.blocks.BlockCall`), the plan is chosen for FSDP2's
+        per-rank memory, and the returned module is sharded with ``fully_shard`` on each block
+        and on itself (the process group must be initialized; the default device mesh).
 
     Returns
     -------
@@ -129,21 +129,11 @@ def optimize_checkpoints(
     sharded = parallel is not None and parallel.strategy == "fsdp"
     if sharded:
         from .planning.estimate import sharded_leaves
+        from .tracer.capture.blocks import rebind
 
         leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-        capture = _fsdp_capture(capture)
     try:
-        try:
-            tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
-        except TraceError as exc:
-            if not sharded:
-                raise
-            raise TraceError(
-                f"parallel=Parallel(..., 'fsdp') needs a torch.fx graph that calls the blocks FSDP2 shards "
-                f"({', '.join(map(str, leaf_modules or ())) or 'none found'}), and torch.fx cannot trace this "
-                f"model: {exc}. Models only torch.export captures (transformers) are not planned for FSDP2 "
-                "yet: estimate their per-rank memory with ckptopt.estimate(..., parallel=...), and train "
-                "with FSDP2 and the model's own checkpointing") from exc
+        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
         front_end = tm.capture.front_end if tm.capture is not None else "fx"
         note = _check_forward_has_no_python_side_effects(model, example_inputs, front_end)
         if note and tm.capture is not None:
@@ -170,7 +160,8 @@ def optimize_checkpoints(
     module = apply_plan(model, tm, plan)
     if sharded:
         _fully_shard(model, module, leaf_modules)
-    if tm.capture is not None and tm.capture.front_end != "fx":
+        rebind(tm.gm, model)
+    if tm.capture is not None and tm.capture.front_end != "fx" and not sharded:
         # a training call of another structure (a keyword HF's Trainer adds, num_items_in_batch; another
         # shape of a capture made at the example's shapes only) is planned the same way on first sight
         def replan(call):
@@ -185,13 +176,6 @@ def optimize_checkpoints(
     if in_place if in_place is not None else inspected_by_type(model):
         return attach(model, module)
     return module
-
-
-def _fsdp_capture(capture: str) -> str:
-    if capture == "export":
-        raise ValueError("parallel=Parallel(..., 'fsdp') needs capture='fx': FSDP2 gathers a block's parameters "
-                         "when the block is called, and a torch.export graph does not call its blocks")
-    return "fx"
 
 
 def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:

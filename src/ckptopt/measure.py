@@ -30,6 +30,7 @@ from .simulator import simulate
 from .torch_utils import (Inputs, check_module, default_loss, no_lasting_state, normalize_inputs,
                           resolve_device, tensor_leaves)
 from .tracer import TracedModel, trace
+from .tracer.capture.blocks import rebind
 from .tracker import StorageTracker
 
 __all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake",
@@ -446,7 +447,7 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
     module = model
     if checkpoints is not None:
         fsdp = parallel.strategy == "fsdp"
-        tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None, capture="fx" if fsdp else "auto")
+        tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None)
         module = apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
     # everything runs under the tracker (from before the wrapping: DDP's buckets, FSDP2's shards)
     tracker = StorageTracker()
@@ -465,6 +466,8 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
                     fully_shard(model.get_submodule(path), mesh=mesh,
                                 reshard_after_forward=parallel.reshard_after_forward)
                 fully_shard(module, mesh=mesh)
+                if checkpoints is not None:
+                    rebind(tm.gm, model)  # (the traced graph held the unsharded parameters)
             params = [p for p in module.parameters() if p.requires_grad]
             opt = make_optimizer(params, optimizer, impl)
             for _ in range(2):  # lazy setup, DDP's bucket rebuild (at the second forward)

@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from .plan import Plan
 from .simulator import simulate
 from .torch_utils import Inputs, inputs_from_list
+from .tracer.capture.blocks import BlockCall
 from .tracer.chain import TracedModel
 from .tracer.cuts import subgraph_module
 from .units import format_bytes
@@ -200,7 +201,11 @@ class CheckpointedModule(nn.Module):
         """Attributes the graph reads that are not the model's submodules, parameters or buffers:
         the model's own, else the graph's (an exported graph's constants and subgraphs)."""
         for n in gm.graph.nodes:
-            if n.op == "get_attr":
+            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), BlockCall):
+                # an exported block's call: run through the model's own block (its hooks, its parameters)
+                call = gm.get_submodule(n.target)
+                object.__setattr__(self, n.target, call.bound_to(model.get_submodule(call.path)))
+            elif n.op == "get_attr":
                 head = n.target.split(".")[0]
                 if head not in self._modules and head not in self._parameters and head not in self._buffers:
                     object.__setattr__(self, head, getattr(model, head) if hasattr(model, head) else getattr(gm, head))

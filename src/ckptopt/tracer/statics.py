@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..torch_utils import tensor_leaves
+from .capture.blocks import BlockCall
 from .capture.functions import is_opaque_function
 
 __all__ = ["static_nodes", "param_views", "place_statics", "is_random"]
@@ -40,6 +41,8 @@ def is_random(gm: fx.GraphModule, n: fx.Node) -> bool:
     submodules and the subgraphs of higher-order ops."""
     if n.op == "call_module":
         mod = gm.get_submodule(n.target)
+        if isinstance(mod, BlockCall):  # an exported block's operations, read inside the block
+            return any(is_random(mod.block, x) for x in mod.graph.nodes)
         if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in mod.modules()):
             return True
         return isinstance(mod, fx.GraphModule) and any(is_random(mod, x) for x in mod.graph.nodes)

@@ -59,8 +59,8 @@ class Captured:
 def module_path(node: fx.Node) -> str:
     """The dotted path of the module a node runs in (``model.layers.3.mlp``), from the graph's
     metadata (``nn_module_stack``, or the target of a ``call_module`` node); "" at the root."""
-    if node.op == "call_module":
-        return str(node.target)
+    if node.op == "call_module":  # (an exported block's call says which block it runs)
+        return str(node.meta.get("ckptopt_block") or node.target)
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""

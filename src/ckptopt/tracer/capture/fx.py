@@ -17,6 +17,7 @@ import torch.nn as nn
 from ...errors import TraceError
 from ...torch_utils import Inputs
 from .base import Captured
+from .blocks import leaf_paths
 from .functions import functions_note, opaque_functions
 
 __all__ = ["fx_capture"]
@@ -71,15 +72,10 @@ def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | ty
         When the model's own forward cannot be traced (naming the construct), or a
         submodule cannot be traced even as an opaque leaf.
     """
+    leaf_paths(model, leaf_modules)  # (a misnamed leaf: the arguments' mistake)
     names = {x for x in (leaf_modules or ()) if isinstance(x, str)}
     types = tuple(x for x in (leaf_modules or ()) if isinstance(x, type))
     known = dict(model.named_modules())
-    unknown = sorted(n for n in names if n not in known)
-    if unknown:
-        raise TraceError(
-            f"leaf_modules names {unknown} that are not submodules of the model; "
-            f"valid names look like {list(known)[1:4]} (see model.named_modules())"
-        )
     opaque: dict[str, str] = {}
     last: _Retry | None = None
     for _ in range(len(known) + 1):
