@@ -12,9 +12,8 @@ the scalar loss and its gradient (not in the cost model). Then PyTorch's own
 and 64 ranks. DDP runs as real processes over gloo (2 and 4 ranks, every rank; FSDP2 too), with
 ``tests/test_parallel.py``'s workers: DDP's communication hook does not run on the fake group.
 
-    python benchmarks/ranks_accuracy.py
-
-writes benchmarks/results/ranks_accuracy.json and prints a Markdown table.
+    python benchmarks/ranks_accuracy.py            # writes benchmarks/results/ranks_accuracy.json, prints a table
+    python benchmarks/ranks_accuracy.py --llama    # a transformers Llama on the fake group: ..._llama.json
 """
 
 from __future__ import annotations
@@ -88,9 +87,55 @@ def gloo_rows(worlds=(2, 4)) -> list[dict]:
     return rows
 
 
+def llama_rows(worlds=(2, 4, 8)) -> list[dict]:
+    """A transformers Llama (torch.export captures it; each decoder layer's call runs through the layer,
+    so FSDP2's hooks fire): every (world, first/last rank, SGD/Adam), no checkpointing and the plan."""
+    import copy
+
+    import torch
+    import transformers
+
+    from ckptopt import estimate
+    from ckptopt.measure import measure_rank_step
+    from ckptopt.planning import Parallel
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=500)  # (first dimensions 2, 4, 8 do not all divide)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 500, (4, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    rows = []
+    for world in worlds:
+        for rank in sorted({0, world - 1}):
+            for optimizer in ("sgd", "adam"):
+                par = Parallel(world, "fsdp", rank=rank)
+                with fake_world(world, rank) as mesh:
+                    est = estimate(model, batch, optimizer=optimizer, parallel=par)
+                    for pe in (est.no_checkpointing, est.optimal):
+                        measured = measure_rank_step(copy.deepcopy(model), batch, par, optimizer=optimizer,
+                                                     checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
+                                                     loss_fn=lambda out: out.loss)
+                        rows.append(dict(backend="fake", strategy="fsdp", model="LlamaForCausalLM (export)",
+                                         world=world, rank=rank, optimizer=optimizer, plan=pe.label,
+                                         checkpoints=list(pe.checkpoints), predicted=pe.peak_bytes,
+                                         measured=measured, gap=measured - pe.peak_bytes))
+                        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> int:
     from ckptopt.planning import Parallel
     from tests.common.ranks import predicted_and_measured
+
+    if sys.argv[1:] == ["--llama"]:  # the transformers rows alone, in their own file
+        rows = llama_rows()
+        out = OUT.replace(".json", "_llama.json")
+        with open(out, "w") as f:
+            json.dump(dict(meta=run_metadata("ranks_accuracy"), rows=rows), f, indent=1)
+        print(f"\n{len(rows)} rank steps, {sum(r['gap'] == 8 for r in rows)} measured = predicted + 8 B; "
+              f"gaps {sorted({r['gap'] for r in rows})}; wrote {out}")
+        return 0
 
     rows = []
     for strategy in ("fsdp",):  # (DDP's communication hook needs a real backend: gloo below)

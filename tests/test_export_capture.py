@@ -244,3 +244,38 @@ def test_a_module_cast_to_its_own_dtype_in_the_forward():
     b.backward()
     assert torch.equal(a, b)
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+def test_an_all_ones_attention_mask_is_captured_as_no_mask():
+    """transformers runs a batch whose mask is all ones without a mask (it reads the values eagerly); the
+    capture does the same, so the estimate is the unmodified step's (it was over by the masks SDPA saves),
+    and a batch that pads is planned on first sight with its mask: both train as the model does."""
+    from ckptopt import estimate
+    from ckptopt.measure import measure_training_step
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(0))
+    ones = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    est = estimate(model, ones, optimizer="sgd")
+    assert measure_training_step(copy.deepcopy(model), ones, optimizer="sgd") - est.no_checkpointing.peak_bytes == 8
+    opt = optimize_checkpoints(model, ones)
+    assert "attention_mask is all ones" in opt.explain()
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0
+    padded = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    for batch in (ones, padded, ones):
+        for p in (*model.parameters(), *ref.parameters()):
+            p.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no "runs the original forward" warning: the padded call is planned)
+            out = opt(**batch)
+        want = ref(**batch)
+        assert torch.equal(out.loss, want.loss), (batch is padded, float(out.loss), float(want.loss))
+        out.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), name

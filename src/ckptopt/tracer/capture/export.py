@@ -130,6 +130,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     """
     notes: list[str] = []
     leaf_paths(model, leaf_modules)  # (a misnamed leaf is the arguments' mistake: before exporting)
+    inputs, ones = _without_ones_mask(model, inputs, notes)
     target = _named_call(model, inputs)
     with _no_cache(model, notes), opaque_functions(), idle_module_to():
         ep, dynamic = _export(target, model, inputs, notes)
@@ -150,6 +151,11 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
                          "pass the batch as tensors (and plain Python values)", node=type(model).__name__)
 
     def bind(call: Inputs) -> list | None:
+        if ones:  # captured without the all-ones mask: a call with one of ones runs as the example did
+            mask = call.kwargs.get("attention_mask")
+            if mask is not None and not _valueless(mask) and not _all_ones(mask):
+                return None  # (a batch that pads: another capture; a fake copy of the example is taken as it)
+            call = Inputs(call.args, {k: v for k, v in call.kwargs.items() if k != "attention_mask"})
         if len(call.args) != len(inputs.args) or set(call.kwargs) != set(inputs.kwargs):
             return None
         ordered = (tuple(call.args), {k: call.kwargs[k] for k in inputs.kwargs})
@@ -171,6 +177,39 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
         notes.append(note)
     return Captured(gm, "export", {}, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
+
+
+def _valueless(t: Any) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t))
+
+
+def _all_ones(mask: Any) -> bool:
+    """Whether ``mask`` is an integer or boolean 2-D attention mask of ones (read from its values; a
+    tensor without values, on the meta device or fake, is not known to be)."""
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.dim() != 2 or _valueless(mask):
+        return False
+    return bool((mask == 1).all())
+
+
+def _without_ones_mask(model: nn.Module, inputs: Inputs, notes: list[str]) -> tuple[Inputs, bool]:
+    """A transformers model's example batch without its ``attention_mask`` when that is all ones, and
+    whether it was dropped.
+
+    transformers reads the mask's values in eager mode: a mask of ones means no padding, and the
+    attention runs without a mask (SDPA with ``is_causal``; nothing materialized or saved). Exported
+    with the mask, the graph must keep it for batches that pad, and builds and saves the mask on every
+    batch. No mask means a mask of ones (transformers' convention), so such a batch is captured
+    without it, and a call whose mask is all ones runs that graph (a batch that pads is another call
+    structure: planned on first sight)."""
+    mask = inputs.kwargs.get("attention_mask")
+    top = type(model).__dict__.get("_ckptopt_base", type(model))
+    if not any(c.__module__.startswith(("transformers.", "peft.")) for c in top.__mro__) or not _all_ones(mask):
+        return inputs, False
+    notes.append("the example's attention_mask is all ones (no padding): captured without it, as transformers "
+                 "runs such a batch eagerly (no mask built or saved); a batch that pads is planned on first sight")
+    return Inputs(inputs.args, {k: v for k, v in inputs.kwargs.items() if k != "attention_mask"}), True
 
 
 def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str]) -> tuple[Any, bool]:
