@@ -7,7 +7,7 @@ size then prices one rank from the same trace (``ckptopt.planning.Parallel``; FS
 Then the largest per-rank batch at sequence 4096 on 24, 40 and 80 GB GPUs (``max_batch``'s search,
 each answer b and b+1 confirmed by a trace).
 
-    python benchmarks/ranks_table.py [--models llama3-8b,llama3-70b] [--worlds 1,2,4,8,64]
+    python benchmarks/ranks_table.py [--models llama3-8b,llama3-70b] [--worlds 1,2,4,8,64] [--mixed-precision bf16]
 
 writes benchmarks/results/ranks_table.json and prints Markdown tables.
 """
@@ -31,17 +31,22 @@ OUT = os.path.join(HERE, "results")
 GiB = 2**30
 
 
+MIXED = None  # --mixed-precision bf16: fp32 weights, FSDP2's MixedPrecisionPolicy(bf16, fp32 reduce)
+
+
 def build(name: str, batch: int, seq: int):
     from ckptopt._models import load_model
 
     cls, cfg = SHAPES[name]
-    model, inputs = load_model(f"hf:{cls}", batch, seq, "bf16", config=cfg, meta=True)
+    model, inputs = load_model(f"hf:{cls}", batch, seq, "fp32" if MIXED else "bf16", config=cfg, meta=True)
     return model.train(), inputs
 
 
 def parallel(world: int, strategy: str):
     from ckptopt.planning import Parallel
 
+    if MIXED:  # (one GPU too: FSDP2 on one rank, for its mixed precision)
+        return Parallel(world, "fsdp", mixed_precision=MIXED)
     return None if world == 1 else Parallel(world, strategy)
 
 
@@ -54,11 +59,15 @@ def peaks(name: str, batch: int, seq: int, worlds, strategies) -> list[dict]:
     from ckptopt.planning.ranks import rank_costs
     from ckptopt.planning.units import param_facts, repeated_blocks
 
+    from ckptopt.planning.units import compute_view
+    from ckptopt.torch_utils import normalize_inputs
+
     model, inputs = build(name, batch, seq)
     t = time.perf_counter()
-    tm = trace(model, inputs, leaf_modules=repeated_blocks(model))
+    seen, seen_inputs, _ = compute_view(model, normalize_inputs(inputs), parallel(2, strategies[0]))
+    tm = trace(seen, seen_inputs, leaf_modules=repeated_blocks(model))
     traced_s = time.perf_counter() - t
-    facts = param_facts(model, tm)
+    facts = param_facts(model, tm, parallel=parallel(2, strategies[0]))
     hr = default_headroom("cuda")
     rows = []
     for strategy in strategies:
@@ -71,7 +80,8 @@ def peaks(name: str, batch: int, seq: int, worlds, strategies) -> list[dict]:
             opt = optimizer_memory(rc.sizes, "adamw", None, "cuda")
             none = peak_estimate(rc, (), opt, "no checkpointing")
             best = peak_estimate(rc, optimal_plan(rc, opt), opt, "optimal plan")
-            rows.append(dict(model=name, batch=batch, seq=seq, strategy=strategy if par else "single", world=world,
+            rows.append(dict(model=name, batch=batch, seq=seq, strategy=strategy if par and world > 1 else "single",
+                             world=world, mixed_precision=MIXED,
                              layers=tm.n, none_bytes=none.peak_bytes, none_needed=hr.needed(none.peak_bytes),
                              optimal_bytes=best.peak_bytes, optimal_needed=hr.needed(best.peak_bytes),
                              optimal_at=best.at, recompute_share=best.recompute_share,
@@ -86,7 +96,7 @@ def largest(name: str, seq: int, worlds, memories) -> list[dict]:
     from ckptopt.planning.batch import BatchCosts, optimizer_for, search_batch
 
     model, inputs = build(name, 1, seq)
-    base = BatchCosts(model, inputs, parallel=Parallel(2, "fsdp"))
+    base = BatchCosts(model, inputs, parallel=Parallel(2, "fsdp", mixed_precision=MIXED))
     hr = default_headroom("cuda")
     rows = []
     for world in worlds:
@@ -120,7 +130,7 @@ def markdown(paths) -> str:
     keys = sorted({(r["model"], r["batch"], r["seq"]) for r in rows}, key=lambda k: (k[0], k[2], k[1]))
     for model, batch, seq in keys:
         one = next((r for r in rows if (r["model"], r["batch"], r["seq"], r["world"]) == (model, batch, seq, 1)), None)
-        for strategy in ("fsdp", "ddp"):
+        for strategy in [s for s in ("fsdp", "ddp") if any(r["strategy"] == s for r in rows)]:
             cells = []
             for world in (1, 2, 4, 8, 64):
                 r = one if world == 1 else next((r for r in rows if (r["model"], r["batch"], r["seq"], r["strategy"],
@@ -152,7 +162,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-worlds", default="1,8,64")
     ap.add_argument("--out", default=os.path.join(OUT, "ranks_table.json"))
     ap.add_argument("--markdown", nargs="+", metavar="JSON", help="print the tables of these result files and stop")
+    ap.add_argument("--mixed-precision", choices=("bf16",), default=None,
+                    help="fp32 weights and AdamW state, FSDP2 gathering and computing in bf16 (FSDP2 rows only; "
+                         "one GPU: FSDP2 on one rank)")
     args = ap.parse_args(argv)
+    global MIXED
+    MIXED = args.mixed_precision
     if args.markdown:
         print(markdown(args.markdown))
         return 0
@@ -161,7 +176,7 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         for case in args.cases.split(","):
             b, s = (int(v) for v in case.split("x"))
-            rows += peaks(name, b, s, worlds, ["fsdp", "ddp"])
+            rows += peaks(name, b, s, worlds, ["fsdp"] if MIXED else ["fsdp", "ddp"])
         if not args.no_max_batch:
             fits += largest(name, int(args.max_batch_seq), [int(w) for w in args.max_batch_worlds.split(",")], [int(m) for m in args.memories.split(",")])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -41,6 +41,8 @@ def test_solve_json_and_budget(capsys, tmp_path):
         (["estimate", "mlp", "--strategy", "fsdp"], "--strategy needs --world-size"),
         (["estimate", "mlp", "--world-size", "0"], "world_size must be a positive integer"),
         (["estimate", "mlp", "--world-size", "2", "--rank", "2"], "rank must be in 0..1"),
+        (["estimate", "mlp", "--mixed-precision", "bf16"], "--mixed-precision is fsdp2's policy"),
+        (["estimate", "mlp", "--world-size", "2", "--mixed-precision", "bf16"], "use it with strategy='fsdp'"),
     ],
 )
 def test_errors_exit_2_with_message(capsys, argv, match):
@@ -234,3 +236,7 @@ def test_estimate_one_rank_of_ddp_and_fsdp(capsys):
     assert fsdp["optimal"]["peak_bytes"] < one["optimal"]["peak_bytes"]
     code, out, _ = run(capsys, "estimate", "gpt", "--batch", "2", "--world-size", "4", "--strategy", "fsdp")
     assert "one rank of FSDP2, 4 ranks (rank 0 priced)" in out and "parallel buffers" in out
+    mixed = est("--world-size", "4", "--strategy", "fsdp", "--mixed-precision", "bf16")
+    assert mixed["parallel"]["mixed_precision"] == "bf16"
+    assert mixed["param_bytes"] == fsdp["param_bytes"]  # (the fp32 master weights' shards)
+    assert mixed["optimal"]["peak_bytes"] < fsdp["optimal"]["peak_bytes"]  # (bf16 activations and gathers)

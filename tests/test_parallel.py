@@ -263,3 +263,55 @@ def test_fsdp2_at_64_ranks_agrees_with_pytorchs_fsdp_mem_tracker():
                 del loss
             peaks.append(fmt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
     assert peaks[1] - est.optimal.peak_bytes == LOSS, (peaks, est.optimal.peak_bytes)
+
+
+def test_fsdp2_mixed_precision_rank_is_predicted_to_the_byte():
+    """FSDP2's MixedPrecisionPolicy(bf16 compute, fp32 reduce) on fp32 master weights: planned on a copy in
+    bf16 (gathered blocks, activations, full gradients), the shards, sharded gradients, reduce-scatter
+    buffers and optimizer state in fp32, the float input held besides its cast; the residual-MLP blocks
+    (FX, a float input) and a transformers Llama (export), no checkpointing and the plan."""
+    import copy
+
+    from ckptopt import estimate
+    from ckptopt.measure import measure_rank_step
+
+    model, x = make()
+    llama = _small_llama()
+    ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
+    cases = [(model, x, None, 4, 3, "adam"), (llama, {"input_ids": ids, "labels": ids}, lambda o: o.loss, 2, 0, "sgd")]
+    for net, batch, loss_fn, world, rank, optimizer in cases:
+        par = Parallel(world, "fsdp", rank=rank, mixed_precision="bf16")
+        with fake_world(world, rank) as mesh:
+            est = estimate(net, batch, optimizer=optimizer, parallel=par)
+            plain = estimate(net, batch, optimizer=optimizer, parallel=Parallel(world, "fsdp", rank=rank))
+            assert est.optimal.peak_bytes < plain.optimal.peak_bytes  # (bf16 activations and gathers)
+            for pe in (est.no_checkpointing, est.optimal):
+                measured = measure_rank_step(copy.deepcopy(net), batch, par, optimizer=optimizer,
+                                             checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
+                                             loss_fn=loss_fn)
+                assert measured - pe.peak_bytes == LOSS, (type(net).__name__, pe.label, pe.peak_bytes, measured)
+
+
+def test_fsdp2_mixed_precision_in_one_call():
+    from ckptopt import estimate, optimize_checkpoints
+
+    model = _small_llama()
+    ids = torch.randint(0, 64, (4, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    par = Parallel(2, "fsdp", mixed_precision="bf16")
+    with fake_world(2, 0):
+        est = estimate(model, batch, optimizer="none", parallel=par)
+        out = optimize_checkpoints(model, batch, parallel=par)
+        assert out.plan.checkpoints == est.optimal.checkpoints and out.predicted_peak_bytes == est.optimal.peak_bytes
+        res = out(**batch)
+        assert res.logits.dtype == torch.bfloat16  # computed in bf16
+        res.loss.backward()
+        assert {(type(p).__name__, p.dtype, p.grad.dtype) for p in out.parameters()} == {
+            ("DTensor", torch.float32, torch.float32)}  # fp32 master weights and gradients, sharded
+
+
+def test_mixed_precision_is_fsdp2s_and_named():
+    with pytest.raises(ValueError, match="mixed_precision must be one of bf16, fp16"):
+        Parallel(2, "fsdp", mixed_precision="fp8")
+    with pytest.raises(ValueError, match="use it with strategy='fsdp'"):
+        Parallel(2, "ddp", mixed_precision="bf16")

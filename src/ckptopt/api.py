@@ -132,8 +132,16 @@ def optimize_checkpoints(
         from .tracer.capture.blocks import rebind
 
         leaf_modules = sharded_leaves(model, parallel, leaf_modules)
+    from .planning.estimate import calibration_choice
+    from .planning.parallel import plus_static
+    from .planning.units import compute_view
+
+    # FSDP2's mixed precision: planned on a copy in the compute dtype (the given float inputs held besides)
+    seen, seen_inputs, held = compute_view(model, normalize_inputs(example_inputs), parallel)
     try:
-        tm = trace(model, example_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+        tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+        if held:
+            tm = dataclasses.replace(tm, costs=plus_static(tm.costs, held))
         front_end = tm.capture.front_end if tm.capture is not None else "fx"
         note = _check_forward_has_no_python_side_effects(model, example_inputs, front_end)
         if note and tm.capture is not None:
@@ -141,7 +149,7 @@ def optimize_checkpoints(
     finally:
         restore_python_state(state)  # FX runs the forward's Python code on the model itself
     device = _device_of(model)
-    if calibrate if calibrate is not None else device.type == "cuda":
+    if calibration_choice(calibrate, str(device), str(device), parallel):
         from .calibration import calibrate as run_calibration
 
         cal = run_calibration(model, tm, example_inputs)
@@ -159,7 +167,7 @@ def optimize_checkpoints(
             plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     module = apply_plan(model, tm, plan)
     if sharded:
-        _fully_shard(model, module, leaf_modules)
+        _fully_shard(model, module, leaf_modules, parallel)
         rebind(tm.gm, model)
     if tm.capture is not None and tm.capture.front_end != "fx" and not sharded:
         # a training call of another structure (a keyword HF's Trainer adds, num_items_in_batch; another
@@ -186,7 +194,7 @@ def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
     from .planning.ranks import rank_costs
     from .planning.units import param_facts
 
-    rank = rank_costs(tm.costs, param_facts(model, tm), tm.param_bytes, parallel)
+    rank = rank_costs(tm.costs, param_facts(model, tm, parallel=parallel), tm.param_bytes, parallel)
     if rank.fsdp is None or (solver != "auto" and budget is None):
         plan = solve(rank.costs, solver, budget=budget)
         return plan if rank.fsdp is None else dataclasses.replace(
@@ -201,7 +209,7 @@ def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
     return dataclasses.replace(plan, peak_bytes=peak) if peak <= budget else best
 
 
-def _fully_shard(model: nn.Module, module: nn.Module, blocks) -> None:
+def _fully_shard(model: nn.Module, module: nn.Module, blocks, parallel) -> None:
     """FSDP2 on each block the graph calls, then on the module the user trains."""
     import torch.distributed as dist
 
@@ -210,9 +218,12 @@ def _fully_shard(model: nn.Module, module: nn.Module, blocks) -> None:
                            "needs torch.distributed initialized (dist.init_process_group) on every rank first")
     from torch.distributed.fsdp import fully_shard
 
+    from .measure import _mp_policy
+
+    mp = _mp_policy(parallel)
     for block in _modules_named(model, blocks or ()):
-        fully_shard(block)
-    fully_shard(module)
+        fully_shard(block, **mp)
+    fully_shard(module, **mp)
 
 
 def _modules_named(model: nn.Module, blocks) -> list[nn.Module]:

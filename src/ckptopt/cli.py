@@ -339,6 +339,10 @@ def _planning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="with --strategy ddp: DDP's gradient_as_bucket_view=True")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="with --strategy ddp: DDP's bucket_cap_mb")
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                   help="with --strategy fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=<this>, reduce_dtype=fp32): "
+                        "the model's own parameters (e.g. fp32 master weights) sharded, blocks gathered and "
+                        "computed in this dtype")
     p.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
                    help=argparse.SUPPRESS)
 
@@ -348,6 +352,8 @@ def _parallel(args):
     from .planning import Parallel
 
     if args.world_size is None:
+        if args.mixed_precision is not None:
+            raise ValueError("--mixed-precision is FSDP2's policy: it needs --world-size N --strategy fsdp")
         if args.strategy is not None:
             raise ValueError("--strategy needs --world-size N (the number of ranks)")
         return None
@@ -355,7 +361,7 @@ def _parallel(args):
         raise ValueError("--no-reshard-after-forward is not modelled yet: FSDP2's default (reshard after "
                          "forward) is what ckptopt prices")
     return Parallel(args.world_size, args.strategy or "ddp", rank=args.rank, bucket_cap_mb=args.bucket_cap_mb,
-                    gradient_as_bucket_view=args.gradient_as_bucket_view)
+                    gradient_as_bucket_view=args.gradient_as_bucket_view, mixed_precision=args.mixed_precision)
 
 
 def _headroom(args):

@@ -425,6 +425,16 @@ def _fsdp_storage_events(tracker: StorageTracker):
         _fsdp_param.free_storage = free
 
 
+def _mp_policy(parallel) -> dict:
+    """``fully_shard``'s ``mp_policy`` keyword for ``parallel.mixed_precision`` (none: {})."""
+    if getattr(parallel, "mixed_precision", None) is None:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[parallel.mixed_precision]
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
 def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str = "sgd", checkpoints=None,
                       stored=(), loss_fn=None, blocks=None, mesh=None, impl: str = "for-loop") -> int:
     """Measured peak of one steady-state training step of this rank under DDP or FSDP2 (CPU).
@@ -440,14 +450,15 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
     (forward, loss, backward, optimizer step, ``zero_grad``). The model trains: its
     parameters change and it stays wrapped.
     """
-    from .planning.units import repeated_blocks
+    from .planning.units import compute_view, repeated_blocks
 
     inputs = normalize_inputs(example_inputs)
     blocks = repeated_blocks(model) if blocks is None else list(blocks)
     module = model
     if checkpoints is not None:
         fsdp = parallel.strategy == "fsdp"
-        tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None)
+        seen, seen_inputs, _ = compute_view(model, inputs, parallel)  # (mixed precision: the compute dtype's graph)
+        tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None)
         module = apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
     # everything runs under the tracker (from before the wrapping: DDP's buckets, FSDP2's shards)
     tracker = StorageTracker()
@@ -462,10 +473,11 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
             else:
                 from torch.distributed.fsdp import fully_shard
 
+                mp = _mp_policy(parallel)
                 for path in blocks:
                     fully_shard(model.get_submodule(path), mesh=mesh,
-                                reshard_after_forward=parallel.reshard_after_forward)
-                fully_shard(module, mesh=mesh)
+                                reshard_after_forward=parallel.reshard_after_forward, **mp)
+                fully_shard(module, mesh=mesh, **mp)
                 if checkpoints is not None:
                     rebind(tm.gm, model)  # (the traced graph held the unsharded parameters)
             params = [p for p in module.parameters() if p.requires_grad]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -14,12 +15,13 @@ from ..tracer import trace
 from ..tracer.chain import trace_captured
 from ..tracer.meta import unmaterialized
 from ..units import parse_bytes
-from .estimate import _sharded, batch_of, optimal_plan, plan_recompute_share, sharded_leaves
-from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom, device_free_memory
+from .estimate import (_sharded, batch_of, calibration_choice, optimal_plan, plan_recompute_share,
+                       sharded_leaves)
+from .headroom import Headroom, check_calibrate, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, optimizer_memory
-from .parallel import Parallel, RankCosts
+from .parallel import Parallel, RankCosts, plus_static
 from .ranks import rank_costs
-from .units import param_facts
+from .units import compute_view, param_facts
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
 
@@ -153,8 +155,13 @@ class BatchCosts:
 
     def __init__(self, model, example_inputs, loss_fn=None, leaf_modules=None, probe=(4, 5, 16), capture="auto",
                  parallel: Parallel | None = None):
-        # a meta model is planned on fakes of its tensors on a real device (tracer/meta.py)
-        self.model, self.inputs = unmaterialized(model, normalize_inputs(example_inputs))
+        # a meta model is planned on fakes of its tensors on a real device (tracer/meta.py); under FSDP2's
+        # mixed precision, a copy in the compute dtype (the given float inputs held besides their casts)
+        given = normalize_inputs(example_inputs)
+        seen, seen_inputs, held = compute_view(model, given, parallel)
+        self._held = (lambda b: compute_view(model, with_batch(given, b, batch_of(given)), parallel)[2]) if held \
+            else (lambda b: 0)
+        self.model, self.inputs = unmaterialized(seen, seen_inputs)
         self.example_batch = batch_of(self.inputs)
         if self.example_batch is None:
             raise ValueError("the example inputs have no batch dimension (no tensor with a first dimension)")
@@ -169,7 +176,7 @@ class BatchCosts:
         t1 = self.traced(b1)
         self.names = t1.costs.names
         self.param_bytes = t1.param_bytes
-        self.facts = param_facts(self.model, t1 if _sharded(parallel) else None)  # (the same layers at every batch)
+        self.facts = param_facts(model, t1 if _sharded(parallel) else None, parallel=parallel)  # (the same layers at every batch)
         self.sizes = rank_costs(t1.costs, self.facts, self.param_bytes, parallel).sizes
         self._fit = None
         self._fit_at(b1, b2)
@@ -198,7 +205,7 @@ class BatchCosts:
                                capture=self.capture)
                     if tm.capture.front_end != "fx" and tm.capture.dynamic:
                         self._captured = tm.capture  # exporting again at each size would cost seconds
-                self._traced[batch] = tm
+                self._traced[batch] = dataclasses.replace(tm, costs=plus_static(tm.costs, self._held(batch)))
             except Exception as exc:
                 raise type(exc)(f"tracing the model at batch size {batch} failed: {exc}") from exc
             self.traces += 1
@@ -246,6 +253,9 @@ class BatchCosts:
         if _sharded(parallel) and not self.facts.units:
             raise ValueError("for_parallel: these costs were built without FSDP2's blocks; build them with "
                              "parallel=Parallel(world_size, 'fsdp')")
+        if getattr(parallel, "mixed_precision", None) != getattr(self.parallel, "mixed_precision", None):
+            raise ValueError("for_parallel: these costs were traced for another compute dtype; build them with "
+                             f"parallel=Parallel(..., mixed_precision={getattr(parallel, 'mixed_precision', None)!r})")
         other = copy.copy(self)
         other.parallel = parallel
         other.sizes = rank_costs(self.traced(next(iter(self._traced))).costs, self.facts, self.param_bytes,
@@ -424,7 +434,7 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     opt = optimizer_for(bc, optimizer, impl, device)
     model_dev = str(next(bc.model.parameters()).device)
     dev = device or model_dev
-    calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
+    calibrated = calibration_choice(calibrate, dev, model_dev, parallel)
     check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
     none = search_batch(bc, "none", usable, opt)

@@ -19,9 +19,9 @@ from ..tracer import trace
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory
-from .parallel import Parallel, RankCosts
+from .parallel import Parallel, RankCosts, plus_static
 from .ranks import rank_costs
-from .units import param_facts, repeated_blocks
+from .units import compute_view, param_facts, repeated_blocks
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
            "least_recompute_plan", "trainable_sizes", "batch_of"]
@@ -281,6 +281,18 @@ def _sharded(parallel: Parallel | None) -> bool:
     return parallel is not None and parallel.strategy == "fsdp"
 
 
+def calibration_choice(calibrate: bool | None, device: str, model_device: str, parallel) -> bool:
+    """Whether to calibrate: ``calibrate``, by default on CUDA; never under FSDP2's mixed precision
+    (planned on a copy in the compute dtype, which has no weights to run)."""
+    calibrated = calibrate if calibrate is not None else default_calibrate(device, model_device)
+    if calibrated and getattr(parallel, "mixed_precision", None):
+        if calibrate:
+            raise ValueError("calibrate=True with FSDP2's mixed precision is not supported yet (the layers would run "
+                             "in the compute dtype on a copy without weights); pass calibrate=False")
+        return False
+    return calibrated
+
+
 def sharded_leaves(model, parallel: Parallel | None, leaf_modules):
     """Under FSDP2 the blocks stay whole in a torch.fx graph (``fully_shard`` gathers a block when it is
     called, so a plan must keep the calls): the leaf modules default to the repeated blocks."""
@@ -345,17 +357,21 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     """
     inputs = normalize_inputs(example_inputs)
     leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-    tm = trace(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+    seen, seen_inputs, held = compute_view(model, inputs, parallel)  # (FSDP2's mixed precision: what a rank computes in)
+    tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+    if held:
+        tm = dataclasses.replace(tm, costs=plus_static(tm.costs, held))
     model_dev = planned_on(model)
     dev = device or model_dev
-    calibrated = calibrate if calibrate is not None else default_calibrate(dev, model_dev)
+    calibrated = calibration_choice(calibrate, dev, model_dev, parallel)
     check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
     if calibrated:
         from ..calibration import calibrate as run_calibration
 
         tm = dataclasses.replace(tm, costs=run_calibration(model, tm, inputs).apply(tm.costs))
     hr = headroom or default_headroom(dev, calibrated=calibrated)
-    rank = rank_costs(tm.costs, param_facts(model, tm if _sharded(parallel) else None), tm.param_bytes, parallel)
+    rank = rank_costs(tm.costs, param_facts(model, tm if _sharded(parallel) else None, parallel=parallel),
+                      tm.param_bytes, parallel)
     opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
     none = peak_estimate(rank, (), opt, "no checkpointing")
     best = optimal_plan(rank, opt)

@@ -2,7 +2,10 @@
 
 ``fully_shard`` on each repeated block (a *unit*) and on the root (every other parameter),
 PyTorch 2.13's defaults (``reshard_after_forward=True`` for the blocks; the root keeps its
-parameters gathered from its forward to the end of its backward), no mixed precision. What
+parameters gathered from its forward to the end of its backward). Under mixed precision
+(``Parallel.mixed_precision``) the traced costs are those of a copy in the compute dtype and the
+gathered sizes are the parameters' in it (``ParamFacts.compute_nbytes``); shards, gradients and
+reduce-scatters keep the model's own bytes (docs/design.md §13). What
 one rank holds, measured with the exact tracker on a fake process group (every rank the same
 to the byte) and on gloo (``docs/design.md`` §13):
 
@@ -81,12 +84,13 @@ def fsdp_shape(facts: ParamFacts, parallel: Parallel, n_layers: int, model_end: 
     U = len(facts.units)
     gathered, grad_shard, param_shard = [0] * (U + 1), [0] * (U + 1), [0] * (U + 1)  # [U]: the root
     opt = []
-    for nbytes, dim0, unit, trainable in zip(facts.nbytes, facts.dim0, facts.unit, facts.trainable):
+    for nbytes, cbytes, dim0, unit, trainable in zip(facts.nbytes, facts.compute_nbytes, facts.dim0, facts.unit,
+                                                     facts.trainable):
         row = nbytes // max(dim0, 1)
         rows = math.ceil(dim0 / W)
         shard = rows * row
         u = unit if unit >= 0 else U
-        gathered[u] += shard * W
+        gathered[u] += rows * (cbytes // max(dim0, 1)) * W  # (in the compute dtype under mixed precision)
         param_shard[u] += shard
         if trainable:
             grad_shard[u] += shard

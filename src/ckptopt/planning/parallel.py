@@ -34,9 +34,11 @@ import numpy as np
 from ..costs import ChainCosts
 from ..simulator import simulate
 
-__all__ = ["Parallel", "STRATEGIES", "ParamFacts", "RankCosts", "RankPeak", "ddp_rank_costs", "single_rank"]
+__all__ = ["Parallel", "STRATEGIES", "ParamFacts", "RankCosts", "RankPeak", "ddp_rank_costs", "plus_static",
+           "single_rank"]
 
 STRATEGIES = ("ddp", "fsdp")
+MIXED_PRECISIONS = {None: None, "bf16": 2, "fp16": 2}  # FSDP2's param_dtype -> bytes per element
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class Parallel:
     reshard_after_forward : bool, default True
         FSDP2's option for the blocks (the root keeps its parameters gathered until its
         backward ends, as FSDP2 does).
+    mixed_precision : str, optional
+        FSDP2's ``MixedPrecisionPolicy(param_dtype=<this>, reduce_dtype=torch.float32)``:
+        ``"bf16"`` or ``"fp16"``. The model keeps its parameters (fp32 master weights, sharded);
+        each block is gathered and computes in this dtype; gradients are reduced in fp32.
     """
 
     world_size: int
@@ -68,6 +74,7 @@ class Parallel:
     bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False
     reshard_after_forward: bool = True
+    mixed_precision: str | None = None
 
     def __post_init__(self):
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -76,6 +83,12 @@ class Parallel:
             raise ValueError(f"unknown parallel strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {', '.join(k for k in MIXED_PRECISIONS if k)} or None "
+                             f"(FSDP2's param_dtype), got {self.mixed_precision!r}")
+        if self.mixed_precision is not None and self.strategy != "fsdp":
+            raise ValueError("mixed_precision is FSDP2's MixedPrecisionPolicy: use it with strategy='fsdp' (under DDP, "
+                             "train under torch.autocast and plan inside the same context)")
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
 
@@ -84,7 +97,8 @@ class Parallel:
             view = ", gradients as bucket views" if self.gradient_as_bucket_view else ""
             return f"DDP, {self.world_size} ranks (one rank priced{view})"
         rf = "" if self.reshard_after_forward else ", reshard_after_forward=False"
-        return f"FSDP2, {self.world_size} ranks (rank {self.rank} priced{rf})"
+        mp = f", {self.mixed_precision} compute, fp32 reduce" if self.mixed_precision else ""
+        return f"FSDP2, {self.world_size} ranks (rank {self.rank} priced{rf}{mp})"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,8 +121,11 @@ class ParamFacts:
     unit_names: tuple[str, ...] = ()
     trainable: tuple[bool, ...] = ()
     model_end: int | None = None
+    compute_nbytes: tuple[int, ...] = ()  # (FSDP2's mixed precision: each parameter as gathered; default nbytes)
 
     def __post_init__(self):
+        if not self.compute_nbytes:
+            object.__setattr__(self, "compute_nbytes", tuple(self.nbytes))
         if not self.unit:
             object.__setattr__(self, "unit", (-1,) * len(self.nbytes))
         if not self.trainable:
@@ -201,6 +218,11 @@ def _with(costs: ChainCosts, static: int | None = None, **layers: Sequence[int])
     for k, v in layers.items():
         d["layers"][k] = [int(x) for x in v]
     return ChainCosts.from_dict(d)
+
+
+def plus_static(costs: ChainCosts, extra: int) -> ChainCosts:
+    """``costs`` with ``extra`` more bytes held for the whole step."""
+    return _with(costs, static=costs.static + int(extra)) if extra else costs
 
 
 def ddp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, parallel: Parallel) -> RankCosts:

@@ -9,13 +9,16 @@ and :mod:`ckptopt.planning.fsdp` (no torch there).
 
 from __future__ import annotations
 
+import copy
+
+import torch
 from torch import nn
 
-from ..torch_utils import distinct_storages, storage_nbytes
+from ..torch_utils import Inputs, distinct_storages, storage_nbytes
 from ..tracer.capture.base import module_path
 from .parallel import ParamFacts
 
-__all__ = ["repeated_blocks", "param_facts"]
+__all__ = ["repeated_blocks", "param_facts", "compute_view"]
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -45,6 +48,33 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_view(model: nn.Module, inputs: Inputs, parallel) -> tuple[nn.Module, Inputs, int]:
+    """What a rank computes with: under FSDP2's mixed precision (``parallel.mixed_precision``), a
+    meta-device copy of ``model`` whose floating parameters are in the compute dtype (FSDP2 gathers
+    them cast; buffers keep theirs), the inputs with floating tensors cast (the root's
+    ``cast_forward_inputs``), and the bytes of the floating inputs as given (held by the caller
+    while the step runs on their casts); otherwise ``(model, inputs, 0)``. Nothing is copied but
+    the module tree: the copy is traced as any meta model is."""
+    mp = getattr(parallel, "mixed_precision", None)
+    if mp is None:
+        return model, inputs, 0
+    dtype = _DTYPES[mp]
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point()
+                                                        else p.dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    view = copy.deepcopy(model, memo)
+    held = sum(storage_nbytes(t) for t in distinct_storages(t for t in inputs.tensors()
+                                                            if t.is_floating_point() and t.dtype != dtype))
+    return view, inputs.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t), held
+
+
 def _owner(name: str, units: list[str]) -> int:
     for u, path in enumerate(units):
         if name.startswith(path + "."):
@@ -52,7 +82,7 @@ def _owner(name: str, units: list[str]) -> int:
     return -1
 
 
-def param_facts(model: nn.Module, traced=None, blocks: list[str] | None = None) -> ParamFacts:
+def param_facts(model: nn.Module, traced=None, blocks: list[str] | None = None, parallel=None) -> ParamFacts:
     """The parameters of ``model`` (each storage once, ``model.parameters()`` order) and, given the
     traced model, the FSDP2 units (``blocks``, default :func:`repeated_blocks`) with the chain
     layers each one's forward spans.
@@ -80,8 +110,11 @@ def param_facts(model: nn.Module, traced=None, blocks: list[str] | None = None) 
     kept = sorted(span, key=lambda u: span[u][0])
     renum = {u: k for k, u in enumerate(kept)}
     owner = [renum.get(_owner(by_id[id(p)], blocks), -1) for p in params] if kept else [-1] * len(params)
+    mp = _DTYPES.get(getattr(parallel, "mixed_precision", None) or "")
     return ParamFacts(
         nbytes=tuple(storage_nbytes(p) for p in params),
+        compute_nbytes=tuple(storage_nbytes(p) * mp.itemsize // p.element_size() if mp is not None and
+                             p.is_floating_point() else storage_nbytes(p) for p in params),
         dim0=tuple(int(p.shape[0]) if p.dim() else 1 for p in params),
         unit=tuple(owner),
         units=tuple((span[u][0], span[u][1]) for u in kept),
