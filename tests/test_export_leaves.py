@@ -85,3 +85,42 @@ def test_a_leaf_the_model_does_not_have_is_named():
     model, batch = _llama(1), _batch()
     with pytest.raises(TraceError, match=r"leaf_modules names \['model.layer.0'\] that are not submodules"):
         trace(model, batch, leaf_modules=["model.layer.0"], capture="export")
+
+
+def test_a_module_called_several_times_in_a_row_makes_one_layer_per_call():
+    """A shared block applied three times in a row (ALBERT shares one layer across its depth): three calls,
+    told apart by the call numbers torch.export gives a module's later calls."""
+    import torch.nn as nn
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(16, 32)
+            self.blk = nn.Sequential(nn.Linear(32, 32), nn.GELU())
+
+        def forward(self, x):
+            x = self.inp(x)
+            for _ in range(3):
+                x = x + self.blk(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(64, 16)
+    tm = trace(model, x, leaf_modules=["blk"], capture="export")
+    calls = [n for n in tm.gm.graph.nodes if n.op == "call_module"]
+    assert len(calls) == 3, calls
+    plan = solve(tm.costs, "dp2")
+    module = apply_plan(model, tm, plan)
+    seen = []
+    hook = model.blk.register_forward_pre_hook(lambda mod, args: seen.append(1))
+    out = module(x)
+    hook.remove()
+    assert len(seen) == 3
+    ref = Shared()
+    ref.load_state_dict(model.state_dict())
+    want = ref(x)
+    assert torch.equal(out, want)
+    out.pow(2).mean().backward()
+    want.pow(2).mean().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name

@@ -95,23 +95,31 @@ def leaf_paths(model: nn.Module, leaf_modules: Iterable[str | type] | None) -> l
     return out
 
 
-def _owner(node: fx.Node, paths: list[str]) -> str | None:
+def _owner(node: fx.Node, paths: list[str]) -> tuple[str, str] | None:
+    """``(leaf path, the call's key)`` of the leaf ``node`` runs in, or None. The key tells calls of one
+    module apart (``nn_module_stack`` numbers a module's later calls: ``L__self___blk@1``)."""
     where = module_path(node)
-    return next((p for p in paths if where == p or where.startswith(p + ".")), None)
+    path = next((p for p in paths if where == p or where.startswith(p + ".")), None)
+    if path is None:
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    key = next((k for k, v in stack.items() if str(v[0]) == path), "")
+    return path, str(key)
 
 
 def group_leaf_calls(gm: fx.GraphModule, model: nn.Module, leaf_modules: Iterable[str | type] | None) -> int:
     """Replace each call of a leaf module in ``gm`` (an exported graph, whose nodes carry
     ``nn_module_stack``) by one ``call_module`` node of a :class:`BlockCall`; the number of calls.
 
-    A call is a maximal run of consecutive operations inside one leaf. Its inputs are the values it
+    A call is a maximal run of consecutive operations inside one call of a leaf (a module called
+    several times in a row, as a shared layer is, makes several calls). Its inputs are the values it
     reads from outside the run (attributes outside the block included), its outputs the values read
     after it; the attributes inside the block are read in the block's own graph.
     """
     paths = leaf_paths(model, leaf_modules)
     if not paths:
         return 0
-    runs: list[tuple[str, list[fx.Node]]] = []
+    runs: list[tuple[tuple[str, str], list[fx.Node]]] = []
     open_run = False
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method", "call_module"):
@@ -125,7 +133,7 @@ def group_leaf_calls(gm: fx.GraphModule, model: nn.Module, leaf_modules: Iterabl
             runs.append((owner, [n]))
             open_run = True
     taken: set[str] = set()
-    for k, (path, members) in enumerate(runs):
+    for k, ((path, _), members) in enumerate(runs):
         name = f"ckptopt_call_{k}"
         while hasattr(model, name) or hasattr(gm, name):
             name += "_"
