@@ -279,3 +279,23 @@ def test_an_all_ones_attention_mask_is_captured_as_no_mask():
         want.loss.backward()
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_cache_configured_in_a_submodule_is_off_while_capturing():
+    """T5's decoder stack holds its own copy of the config (use_cache=True by default): the capture turns
+    every config's cache off (it failed on the EncoderDecoderCache in the output)."""
+    cfg = transformers.T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=2, d_kv=32, vocab_size=VOCAB,
+                                decoder_start_token_id=0, pad_token_id=0)
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg).train()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids[:, :8].contiguous()}
+    opt = optimize_checkpoints(model, batch)
+    assert model.config.use_cache and model.decoder.config.use_cache  # (restored)
+    torch.manual_seed(1)
+    out = opt(**batch)
+    torch.manual_seed(1)
+    want = ref(**batch)
+    assert torch.equal(out.loss, want.loss)

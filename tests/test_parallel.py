@@ -315,3 +315,23 @@ def test_mixed_precision_is_fsdp2s_and_named():
         Parallel(2, "fsdp", mixed_precision="fp8")
     with pytest.raises(ValueError, match="use it with strategy='fsdp'"):
         Parallel(2, "ddp", mixed_precision="bf16")
+
+
+def test_a_block_with_a_tied_parameter_is_left_to_the_root():
+    """BERT names its embeddings a block (``_no_split_modules``) whose word embeddings are tied to the
+    masked-LM decoder: FSDP2 cannot shard a tied parameter in two groups (it raised), so that module is no
+    unit; the encoder layers are."""
+    transformers = pytest.importorskip("transformers")
+    from ckptopt import optimize_checkpoints
+    from ckptopt.planning.units import repeated_blocks
+
+    cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  vocab_size=64)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).train()
+    assert repeated_blocks(model) == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    ids = torch.randint(0, 64, (2, 32))
+    with fake_world(2, 0):
+        out = optimize_checkpoints(model, {"input_ids": ids, "labels": ids}, parallel=Parallel(2, "fsdp"))
+        out(input_ids=ids, labels=ids).loss.backward()
+        assert type(model.bert.encoder.layer[0]).__name__ == "FSDPBertLayer"

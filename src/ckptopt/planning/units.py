@@ -27,7 +27,9 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     A transformers model names its blocks (``_no_split_modules``: ``LlamaDecoderLayer``);
     otherwise the blocks are the members of a ``ModuleList``/``Sequential`` of at least two
     modules of one class that hold parameters (a transformer's layers, a ResNet stage's
-    blocks). The outermost such modules are taken: a block is never inside another.
+    blocks). The outermost such modules are taken: a block is never inside another. A module
+    holding a parameter tied to one outside it is left to the root (FSDP2 shards a tied
+    parameter in one group only).
     """
     names = set(getattr(model, "_no_split_modules", None) or ())
     found: list[str] = []
@@ -45,7 +47,16 @@ def repeated_blocks(model: nn.Module) -> list[str]:
             if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and \
                     all(any(True for _ in k.parameters()) for _, k in kids):
                 found.extend(f"{path}.{n}" for n, _ in kids)
-    return found
+    return [path for path in found if not _shares_outside(model, path)]
+
+
+def _shares_outside(model: nn.Module, path: str) -> bool:
+    """Whether a parameter of ``path`` is also the model's under a name outside it (BERT's word
+    embeddings, tied to the masked-LM decoder): FSDP2 cannot shard a tied parameter in two groups, so
+    such a module is no unit of its own (its parameters stay with the root)."""
+    inside = {id(p) for p in model.get_submodule(path).parameters()}
+    return any(id(p) in inside and not name.startswith(path + ".")
+               for name, p in model.named_parameters(remove_duplicate=False))
 
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

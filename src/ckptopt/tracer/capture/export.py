@@ -407,18 +407,25 @@ def _dynamic_shapes(model: nn.Module, inputs: Inputs) -> dict[str, Any]:
 
 @contextmanager
 def _no_cache(model: nn.Module, notes: list[str]):
-    """``config.use_cache = False`` while exporting: a key/value cache is no training output."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "use_cache", False):
+    """``config.use_cache = False`` while exporting, on every config the model's modules hold (T5's
+    decoder stack has a copy of its own): a key/value cache is no training output."""
+    configs = {}
+    for mod in model.modules():
+        config = getattr(mod, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    if not configs:
         yield
         return
-    config.use_cache = False
+    for config in configs.values():
+        config.use_cache = False
     notes.append("captured with config.use_cache=False (no key/value cache while training, as transformers "
                  "does under gradient checkpointing)")
     try:
         yield
     finally:
-        config.use_cache = True
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _resolves(root: Any, target: str) -> bool:
