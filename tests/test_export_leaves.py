@@ -124,3 +124,36 @@ def test_a_module_called_several_times_in_a_row_makes_one_layer_per_call():
     want.pow(2).mean().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_block_calling_a_module_outside_it_stays_one_call():
+    """A block whose forward calls a module that lives outside it (a shared table): its operations run
+    inside the block's call, so the call is not split where the outside module runs."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.shared = [shared]  # (not a submodule: it lives outside the block)
+
+        def forward(self, x):
+            return x + self.shared[0](torch.relu(self.fc(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+            self.blocks = nn.ModuleList([Block(self.proj) for _ in range(2)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(16, 32)
+    tm = trace(model, x, leaf_modules=["blocks.0", "blocks.1"], capture="export")
+    assert len([n for n in tm.gm.graph.nodes if n.op == "call_module"]) == 2
+    module = apply_plan(model, tm, solve(tm.costs, "dp2"))
+    assert torch.equal(module(x), model(x))

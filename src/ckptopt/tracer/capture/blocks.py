@@ -96,15 +96,15 @@ def leaf_paths(model: nn.Module, leaf_modules: Iterable[str | type] | None) -> l
 
 
 def _owner(node: fx.Node, paths: list[str]) -> tuple[str, str] | None:
-    """``(leaf path, the call's key)`` of the leaf ``node`` runs in, or None. The key tells calls of one
+    """``(leaf path, the call's key)`` of the leaf call ``node`` runs in, or None: any module of the stack,
+    not only the innermost (a block may call a module that lives outside it). The key tells calls of one
     module apart (``nn_module_stack`` numbers a module's later calls: ``L__self___blk@1``)."""
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        if str(value[0]) in paths:
+            return str(value[0]), str(key)
     where = module_path(node)
     path = next((p for p in paths if where == p or where.startswith(p + ".")), None)
-    if path is None:
-        return None
-    stack = node.meta.get("nn_module_stack") or {}
-    key = next((k for k, v in stack.items() if str(v[0]) == path), "")
-    return path, str(key)
+    return None if path is None else (path, "")
 
 
 def group_leaf_calls(gm: fx.GraphModule, model: nn.Module, leaf_modules: Iterable[str | type] | None) -> int:
