@@ -173,7 +173,7 @@ def _group(gm: fx.GraphModule, model: nn.Module, path: str, members: list[fx.Nod
     # (built on a copy: a graph refers to the module that owns it, which holds the parameters it was made with)
     code = type(fx.GraphModule(block, copy.deepcopy(g), f"{type(model.get_submodule(path)).__name__}Ops"))
     gm.add_submodule(name, BlockCall(block, path, code, g))
-    with gm.graph.inserting_before(members[0]):
+    with gm.graph.inserting_after(members[-1]):  # (after every input; before every reader of an output)
         call = gm.graph.call_module(name, tuple(inputs))
     call.meta["ckptopt_block"] = path
     stack = members[0].meta.get("nn_module_stack") or {}
