@@ -52,20 +52,16 @@ def parallel(world: int, strategy: str):
 
 def peaks(name: str, batch: int, seq: int, worlds, strategies) -> list[dict]:
     """Every (strategy, world) from one trace of the local batch."""
-    from ckptopt import trace
     from ckptopt.planning import default_headroom
     from ckptopt.planning.estimate import optimal_plan, peak_estimate
     from ckptopt.planning.optimizer import optimizer_memory
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts, repeated_blocks
-
-    from ckptopt.planning.units import compute_view
+    from ckptopt.planning.units import param_facts, rank_trace, repeated_blocks
     from ckptopt.torch_utils import normalize_inputs
 
     model, inputs = build(name, batch, seq)
     t = time.perf_counter()
-    seen, seen_inputs, _ = compute_view(model, normalize_inputs(inputs), parallel(2, strategies[0]))
-    tm = trace(seen, seen_inputs, leaf_modules=repeated_blocks(model))
+    tm = rank_trace(model, normalize_inputs(inputs), parallel(2, strategies[0]), leaf_modules=repeated_blocks(model))
     traced_s = time.perf_counter() - t
     facts = param_facts(model, tm, parallel=parallel(2, strategies[0]))
     hr = default_headroom("cuda")

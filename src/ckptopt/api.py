@@ -16,7 +16,6 @@ from .solvers.registry import check_budget, lookup, solve
 from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value,
                           normalize_inputs, python_state, restore_python_state, source_line)
 from .fake import fake_copy, idle_module_to, quiet_fake_errors
-from .tracer import trace
 from .tracer.capture import check_capture_mode
 
 __all__ = ["optimize_checkpoints"]
@@ -133,15 +132,11 @@ def optimize_checkpoints(
 
         leaf_modules = sharded_leaves(model, parallel, leaf_modules)
     from .planning.estimate import calibration_choice
-    from .planning.parallel import plus_static
-    from .planning.units import compute_view
+    from .planning.units import rank_trace
 
-    # FSDP2's mixed precision: planned on a copy in the compute dtype (the given float inputs held besides)
-    seen, seen_inputs, held = compute_view(model, normalize_inputs(example_inputs), parallel)
-    try:
-        tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
-        if held:
-            tm = dataclasses.replace(tm, costs=plus_static(tm.costs, held))
+    try:  # (under FSDP2's mixed precision: planned on a copy in the compute dtype)
+        tm = rank_trace(model, normalize_inputs(example_inputs), parallel, loss_fn=loss_fn,
+                        leaf_modules=leaf_modules, capture=capture)
         front_end = tm.capture.front_end if tm.capture is not None else "fx"
         note = _check_forward_has_no_python_side_effects(model, example_inputs, front_end)
         if note and tm.capture is not None:
@@ -218,9 +213,9 @@ def _fully_shard(model: nn.Module, module: nn.Module, blocks, parallel) -> None:
                            "needs torch.distributed initialized (dist.init_process_group) on every rank first")
     from torch.distributed.fsdp import fully_shard
 
-    from .measure import _mp_policy
+    from .planning.units import fsdp_options
 
-    mp = _mp_policy(parallel)
+    mp = fsdp_options(parallel)
     for block in _modules_named(model, blocks or ()):
         fully_shard(block, **mp)
     fully_shard(module, **mp)

@@ -425,16 +425,6 @@ def _fsdp_storage_events(tracker: StorageTracker):
         _fsdp_param.free_storage = free
 
 
-def _mp_policy(parallel) -> dict:
-    """``fully_shard``'s ``mp_policy`` keyword for ``parallel.mixed_precision`` (none: {})."""
-    if getattr(parallel, "mixed_precision", None) is None:
-        return {}
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[parallel.mixed_precision]
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
-
-
 def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str = "sgd", checkpoints=None,
                       stored=(), loss_fn=None, blocks=None, mesh=None, impl: str = "for-loop") -> int:
     """Measured peak of one steady-state training step of this rank under DDP or FSDP2 (CPU).
@@ -450,15 +440,15 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
     (forward, loss, backward, optimizer step, ``zero_grad``). The model trains: its
     parameters change and it stays wrapped.
     """
-    from .planning.units import compute_view, repeated_blocks
+    from .planning.units import fsdp_options, rank_trace, repeated_blocks
 
     inputs = normalize_inputs(example_inputs)
     blocks = repeated_blocks(model) if blocks is None else list(blocks)
     module = model
     if checkpoints is not None:
         fsdp = parallel.strategy == "fsdp"
-        seen, seen_inputs, _ = compute_view(model, inputs, parallel)  # (mixed precision: the compute dtype's graph)
-        tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None)
+        # (under mixed precision: the compute dtype's graph)
+        tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=blocks if fsdp else None)
         module = apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
     # everything runs under the tracker (from before the wrapping: DDP's buckets, FSDP2's shards)
     tracker = StorageTracker()
@@ -473,7 +463,7 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
             else:
                 from torch.distributed.fsdp import fully_shard
 
-                mp = _mp_policy(parallel)
+                mp = fsdp_options(parallel)
                 for path in blocks:
                     fully_shard(model.get_submodule(path), mesh=mesh,
                                 reshard_after_forward=parallel.reshard_after_forward, **mp)

@@ -21,7 +21,7 @@ from .headroom import Headroom, check_calibrate, default_headroom, device_free_m
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts, plus_static
 from .ranks import rank_costs
-from .units import compute_view, param_facts
+from .units import compute_view, held_inputs, param_facts
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
 
@@ -159,7 +159,7 @@ class BatchCosts:
         # mixed precision, a copy in the compute dtype (the given float inputs held besides their casts)
         given = normalize_inputs(example_inputs)
         seen, seen_inputs, held = compute_view(model, given, parallel)
-        self._held = (lambda b: compute_view(model, with_batch(given, b, batch_of(given)), parallel)[2]) if held \
+        self._held = (lambda b: held_inputs(with_batch(given, b, batch_of(given)), parallel)) if held \
             else (lambda b: 0)
         self.model, self.inputs = unmaterialized(seen, seen_inputs)
         self.example_batch = batch_of(self.inputs)

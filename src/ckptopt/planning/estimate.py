@@ -15,13 +15,12 @@ from ..solvers.pareto import FrontTooLarge, least_recompute
 from ..errors import InfeasibleBudget
 from ..plan import Plan
 from ..torch_utils import Inputs, distinct_storages, normalize_inputs, storage_nbytes
-from ..tracer import trace
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory
-from .parallel import Parallel, RankCosts, plus_static
+from .parallel import Parallel, RankCosts
 from .ranks import rank_costs
-from .units import compute_view, param_facts, repeated_blocks
+from .units import param_facts, rank_trace, repeated_blocks
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
            "least_recompute_plan", "trainable_sizes", "batch_of"]
@@ -357,10 +356,8 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     """
     inputs = normalize_inputs(example_inputs)
     leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-    seen, seen_inputs, held = compute_view(model, inputs, parallel)  # (FSDP2's mixed precision: what a rank computes in)
-    tm = trace(seen, seen_inputs, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
-    if held:
-        tm = dataclasses.replace(tm, costs=plus_static(tm.costs, held))
+    # (under FSDP2's mixed precision: what a rank computes in)
+    tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
     model_dev = planned_on(model)
     dev = device or model_dev
     calibrated = calibration_choice(calibrate, dev, model_dev, parallel)

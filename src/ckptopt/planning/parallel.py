@@ -38,7 +38,7 @@ __all__ = ["Parallel", "STRATEGIES", "ParamFacts", "RankCosts", "RankPeak", "ddp
            "single_rank"]
 
 STRATEGIES = ("ddp", "fsdp")
-MIXED_PRECISIONS = {None: None, "bf16": 2, "fp16": 2}  # FSDP2's param_dtype -> bytes per element
+MIXED_PRECISIONS = ("bf16", "fp16")  # FSDP2's param_dtype
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class Parallel:
             raise ValueError(f"unknown parallel strategy {self.strategy!r}; use one of {', '.join(STRATEGIES)}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank!r}")
-        if self.mixed_precision not in MIXED_PRECISIONS:
-            raise ValueError(f"mixed_precision must be one of {', '.join(k for k in MIXED_PRECISIONS if k)} or None "
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISIONS:
+            raise ValueError(f"mixed_precision must be one of {', '.join(MIXED_PRECISIONS)} or None "
                              f"(FSDP2's param_dtype), got {self.mixed_precision!r}")
         if self.mixed_precision is not None and self.strategy != "fsdp":
             raise ValueError("mixed_precision is FSDP2's MixedPrecisionPolicy: use it with strategy='fsdp' (under DDP, "

@@ -18,7 +18,7 @@ from ..torch_utils import Inputs, distinct_storages, storage_nbytes
 from ..tracer.capture.base import module_path
 from .parallel import ParamFacts
 
-__all__ = ["repeated_blocks", "param_facts", "compute_view"]
+__all__ = ["repeated_blocks", "param_facts", "compute_view", "compute_dtype", "held_inputs", "fsdp_options", "rank_trace"]
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -62,6 +62,45 @@ def _shares_outside(model: nn.Module, path: str) -> bool:
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def compute_dtype(parallel) -> torch.dtype | None:
+    """The dtype FSDP2's mixed precision gathers and computes in (``parallel.mixed_precision``), or None."""
+    mp = getattr(parallel, "mixed_precision", None)
+    return None if mp is None else _DTYPES[mp]
+
+
+def held_inputs(inputs: Inputs, parallel) -> int:
+    """Bytes of the floating inputs FSDP2's mixed precision casts (the caller holds them as given while
+    the step runs on the casts); 0 without mixed precision."""
+    dtype = compute_dtype(parallel)
+    if dtype is None:
+        return 0
+    return sum(storage_nbytes(t) for t in distinct_storages(t for t in inputs.tensors()
+                                                            if t.is_floating_point() and t.dtype != dtype))
+
+
+def fsdp_options(parallel) -> dict:
+    """``fully_shard``'s keywords for ``parallel``: its ``mp_policy`` under mixed precision ({} otherwise)."""
+    dtype = compute_dtype(parallel)
+    if dtype is None:
+        return {}
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
+
+
+def rank_trace(model: nn.Module, inputs: Inputs, parallel, **trace_kwargs):
+    """:func:`ckptopt.trace` of what a rank computes (:func:`compute_view`), the given float inputs held
+    beside their casts in the static bytes."""
+    import dataclasses
+
+    from ..tracer import trace
+    from .parallel import plus_static
+
+    seen, seen_inputs, held = compute_view(model, inputs, parallel)
+    tm = trace(seen, seen_inputs, **trace_kwargs)
+    return dataclasses.replace(tm, costs=plus_static(tm.costs, held)) if held else tm
+
+
 def compute_view(model: nn.Module, inputs: Inputs, parallel) -> tuple[nn.Module, Inputs, int]:
     """What a rank computes with: under FSDP2's mixed precision (``parallel.mixed_precision``), a
     meta-device copy of ``model`` whose floating parameters are in the compute dtype (FSDP2 gathers
@@ -69,10 +108,9 @@ def compute_view(model: nn.Module, inputs: Inputs, parallel) -> tuple[nn.Module,
     ``cast_forward_inputs``), and the bytes of the floating inputs as given (held by the caller
     while the step runs on their casts); otherwise ``(model, inputs, 0)``. Nothing is copied but
     the module tree: the copy is traced as any meta model is."""
-    mp = getattr(parallel, "mixed_precision", None)
-    if mp is None:
+    dtype = compute_dtype(parallel)
+    if dtype is None:
         return model, inputs, 0
-    dtype = _DTYPES[mp]
     memo: dict[int, object] = {}
     for p in model.parameters():
         if id(p) not in memo:
@@ -81,9 +119,7 @@ def compute_view(model: nn.Module, inputs: Inputs, parallel) -> tuple[nn.Module,
     for b in model.buffers():
         memo.setdefault(id(b), torch.empty_like(b, device="meta"))
     view = copy.deepcopy(model, memo)
-    held = sum(storage_nbytes(t) for t in distinct_storages(t for t in inputs.tensors()
-                                                            if t.is_floating_point() and t.dtype != dtype))
-    return view, inputs.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t), held
+    return view, inputs.map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t), held_inputs(inputs, parallel)
 
 
 def _owner(name: str, units: list[str]) -> int:
@@ -121,7 +157,7 @@ def param_facts(model: nn.Module, traced=None, blocks: list[str] | None = None, 
     kept = sorted(span, key=lambda u: span[u][0])
     renum = {u: k for k, u in enumerate(kept)}
     owner = [renum.get(_owner(by_id[id(p)], blocks), -1) for p in params] if kept else [-1] * len(params)
-    mp = _DTYPES.get(getattr(parallel, "mixed_precision", None) or "")
+    mp = compute_dtype(parallel)
     return ParamFacts(
         nbytes=tuple(storage_nbytes(p) for p in params),
         compute_nbytes=tuple(storage_nbytes(p) * mp.itemsize // p.element_size() if mp is not None and

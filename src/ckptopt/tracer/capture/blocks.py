@@ -141,8 +141,8 @@ def group_leaf_calls(gm: fx.GraphModule, model: nn.Module, leaf_modules: Iterabl
         taken.add(path)
     missing = [p for p in paths if p not in taken]
     if missing and len(missing) == len(paths):
-        raise TraceError(f"leaf_modules {missing} run no operation in the exported graph (are they called by "
-                         "the forward?)")
+        raise TraceError(f"leaf_modules {missing} run no operation in the exported graph: the forward does not "
+                         "call them; name the submodules it calls (model.named_modules()), e.g. the decoder layers")
     gm.graph.lint()
     gm.recompile()
     return len(runs)

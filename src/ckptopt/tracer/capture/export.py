@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import TraceError
 from ...fake import device_meta_kernels, idle_module_to
-from ...torch_utils import Inputs
+from ...torch_utils import Inputs, is_fake
 from .base import Captured
 from .blocks import group_leaf_calls, leaf_paths
 from .functions import functions_note, opaque_functions
@@ -180,8 +180,6 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
 
 
 def _valueless(t: Any) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
     return isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t))
 
 
