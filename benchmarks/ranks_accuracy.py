@@ -90,14 +90,11 @@ def gloo_rows(worlds=(2, 4)) -> list[dict]:
 def llama_rows(worlds=(2, 4, 8)) -> list[dict]:
     """A transformers Llama (torch.export captures it; each decoder layer's call runs through the layer,
     so FSDP2's hooks fire): every (world, first/last rank, SGD/Adam), no checkpointing and the plan."""
-    import copy
-
     import torch
     import transformers
 
-    from ckptopt import estimate
-    from ckptopt.measure import measure_rank_step
     from ckptopt.planning import Parallel
+    from tests.common.ranks import predicted_and_measured
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=500)  # (first dimensions 2, 4, 8 do not all divide)
@@ -109,18 +106,15 @@ def llama_rows(worlds=(2, 4, 8)) -> list[dict]:
     for world in worlds:
         for rank in sorted({0, world - 1}):
             for optimizer in ("sgd", "adam"):
-                par = Parallel(world, "fsdp", rank=rank)
                 with fake_world(world, rank) as mesh:
-                    est = estimate(model, batch, optimizer=optimizer, parallel=par)
-                    for pe in (est.no_checkpointing, est.optimal):
-                        measured = measure_rank_step(copy.deepcopy(model), batch, par, optimizer=optimizer,
-                                                     checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
-                                                     loss_fn=lambda out: out.loss)
-                        rows.append(dict(backend="fake", strategy="fsdp", model="LlamaForCausalLM (export)",
-                                         world=world, rank=rank, optimizer=optimizer, plan=pe.label,
-                                         checkpoints=list(pe.checkpoints), predicted=pe.peak_bytes,
-                                         measured=measured, gap=measured - pe.peak_bytes))
-                        print(json.dumps(rows[-1]), flush=True)
+                    got = predicted_and_measured(Parallel(world, "fsdp", rank=rank), optimizer, mesh=mesh,
+                                                 model_and_inputs=(model, batch), loss_fn=lambda out: out.loss)
+                for label, plan, predicted, measured in got:
+                    rows.append(dict(backend="fake", strategy="fsdp", model="LlamaForCausalLM (export)",
+                                     world=world, rank=rank, optimizer=optimizer, plan=label,
+                                     checkpoints=list(plan), predicted=predicted, measured=measured,
+                                     gap=measured - predicted))
+                    print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

@@ -164,23 +164,14 @@ def test_fsdp2_rank_of_an_exported_transformers_model_is_predicted_to_the_byte(w
     """A transformers model (torch.export inlines its decoder layers) planned for one FSDP2 rank: each
     decoder layer's call is one layer again, run through the layer's own call (FSDP2's hooks gather it);
     the rank's measured step is the prediction and the loss, without checkpointing and with the plan."""
-    import copy
-
-    from ckptopt import estimate
-    from ckptopt.measure import measure_rank_step
-
-    model = _small_llama()
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
-    par = Parallel(world, "fsdp", rank=rank)
     with fake_world(world, rank) as mesh:
-        est = estimate(model, batch, optimizer=optimizer, parallel=par)
-        assert est.optimal.checkpoints, "the plan checkpoints"
-        for pe in (est.no_checkpointing, est.optimal):
-            measured = measure_rank_step(copy.deepcopy(model), batch, par, optimizer=optimizer,
-                                         checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
-                                         loss_fn=lambda out: out.loss)
-            assert measured - pe.peak_bytes == LOSS, (pe.label, pe.checkpoints, pe.peak_bytes, measured)
+        rows = predicted_and_measured(Parallel(world, "fsdp", rank=rank), optimizer, mesh=mesh,
+                                      model_and_inputs=(_small_llama(), {"input_ids": ids, "labels": ids}),
+                                      loss_fn=lambda out: out.loss)
+    assert rows[1][1], "the plan checkpoints"
+    for label, plan, predicted, measured in rows:
+        assert measured - predicted == LOSS, (label, plan, predicted, measured)
 
 
 def test_fsdp2_in_one_call_frees_the_unsharded_parameters_of_an_exported_model():
@@ -270,26 +261,20 @@ def test_fsdp2_mixed_precision_rank_is_predicted_to_the_byte():
     bf16 (gathered blocks, activations, full gradients), the shards, sharded gradients, reduce-scatter
     buffers and optimizer state in fp32, the float input held besides its cast; the residual-MLP blocks
     (FX, a float input) and a transformers Llama (export), no checkpointing and the plan."""
-    import copy
-
     from ckptopt import estimate
-    from ckptopt.measure import measure_rank_step
 
-    model, x = make()
-    llama = _small_llama()
     ids = torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(0))
-    cases = [(model, x, None, 4, 3, "adam"), (llama, {"input_ids": ids, "labels": ids}, lambda o: o.loss, 2, 0, "sgd")]
-    for net, batch, loss_fn, world, rank, optimizer in cases:
-        par = Parallel(world, "fsdp", rank=rank, mixed_precision="bf16")
+    cases = [(make(), None, 4, 3, "adam"), ((_small_llama(), {"input_ids": ids, "labels": ids}), lambda o: o.loss, 2, 0,
+                                            "sgd")]
+    for (net, batch), loss_fn, world, rank, optimizer in cases:
         with fake_world(world, rank) as mesh:
-            est = estimate(net, batch, optimizer=optimizer, parallel=par)
-            plain = estimate(net, batch, optimizer=optimizer, parallel=Parallel(world, "fsdp", rank=rank))
-            assert est.optimal.peak_bytes < plain.optimal.peak_bytes  # (bf16 activations and gathers)
-            for pe in (est.no_checkpointing, est.optimal):
-                measured = measure_rank_step(copy.deepcopy(net), batch, par, optimizer=optimizer,
-                                             checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
-                                             loss_fn=loss_fn)
-                assert measured - pe.peak_bytes == LOSS, (type(net).__name__, pe.label, pe.peak_bytes, measured)
+            rows = predicted_and_measured(Parallel(world, "fsdp", rank=rank, mixed_precision="bf16"), optimizer,
+                                          mesh=mesh, model_and_inputs=(net, batch), loss_fn=loss_fn)
+            plain = estimate(net, batch, optimizer=optimizer, parallel=Parallel(world, "fsdp", rank=rank),
+                             loss_fn=loss_fn)
+        assert rows[1][2] < plain.optimal.peak_bytes  # (bf16 activations and gathers)
+        for label, plan, predicted, measured in rows:
+            assert measured - predicted == LOSS, (type(net).__name__, label, plan, predicted, measured)
 
 
 def test_fsdp2_mixed_precision_in_one_call():

@@ -61,16 +61,19 @@ def make(d: int = 64, batch: int = 32):
     return Blocks(d), torch.randn(batch, 16)
 
 
-def predicted_and_measured(parallel, optimizer: str, d: int = 64, batch: int = 32, mesh=None) -> list[tuple]:
-    """``(label, plan, predicted, measured)`` for no checkpointing and the optimal plan of one rank."""
+def predicted_and_measured(parallel, optimizer: str, d: int = 64, batch: int = 32, mesh=None,
+                           model_and_inputs=None, loss_fn=None) -> list[tuple]:
+    """``(label, plan, predicted, measured)`` for no checkpointing and the optimal plan of one rank
+    (``model_and_inputs``: another model and its batch; default :func:`make`'s)."""
     from ckptopt import estimate
     from ckptopt.measure import measure_rank_step
 
-    model, x = make(d, batch)
-    est = estimate(model, x, optimizer=optimizer, parallel=parallel)
+    model, x = model_and_inputs or make(d, batch)
+    est = estimate(model, x, optimizer=optimizer, parallel=parallel, loss_fn=loss_fn)
     out = []
     for pe in (est.no_checkpointing, est.optimal):
         measured = measure_rank_step(copy.deepcopy(model), x, parallel, optimizer=optimizer,
-                                     checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh)
+                                     checkpoints=pe.checkpoints or None, stored=pe.stored, mesh=mesh,
+                                     loss_fn=loss_fn)
         out.append((pe.label, pe.checkpoints, pe.peak_bytes, measured))
     return out

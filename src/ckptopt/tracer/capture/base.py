@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from ...torch_utils import Inputs
 
-__all__ = ["Captured"]
+__all__ = ["Captured", "module_path", "resolves", "attr"]
 
 
 @dataclass
@@ -66,3 +66,20 @@ def module_path(node: fx.Node) -> str:
         return ""
     path = list(stack.values())[-1][0]
     return "" if path.startswith("_empty_nn_module_stack") else str(path)
+
+
+def resolves(root: Any, target: str) -> bool:
+    """Whether the dotted ``target`` names an attribute path under ``root``."""
+    try:
+        attr(root, target)
+    except AttributeError:
+        return False
+    return True
+
+
+def attr(root: Any, target: str) -> Any:
+    """The attribute at the dotted ``target`` under ``root``."""
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

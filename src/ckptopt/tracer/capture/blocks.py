@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ...errors import TraceError
-from .base import module_path
+from .base import attr as _attr, module_path, resolves as _resolves
 
 __all__ = ["BlockCall", "group_leaf_calls", "leaf_paths", "rebind"]
 
@@ -169,7 +169,7 @@ def _group(gm: fx.GraphModule, model: nn.Module, path: str, members: list[fx.Nod
     for m in members:
         env[m] = g.node_copy(m, load)
     g.output(tuple(env[o] for o in outputs))
-    block = gm.get_submodule(path) if _has(gm, path) else model.get_submodule(path)
+    block = _attr(gm, path) if _resolves(gm, path) else model.get_submodule(path)
     # (built on a copy: a graph refers to the module that owns it, which holds the parameters it was made with)
     code = type(fx.GraphModule(block, copy.deepcopy(g), f"{type(model.get_submodule(path)).__name__}Ops"))
     gm.add_submodule(name, BlockCall(block, path, code, g))
@@ -189,14 +189,6 @@ def _group(gm: fx.GraphModule, model: nn.Module, path: str, members: list[fx.Nod
             outputs[k].replace_all_uses_with(item, delete_user_cb=lambda u: u not in own)
     for m in reversed(members):
         gm.graph.erase_node(m)
-
-
-def _has(root: nn.Module, path: str) -> bool:
-    try:
-        root.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def rebind(gm: fx.GraphModule, model: nn.Module) -> None:

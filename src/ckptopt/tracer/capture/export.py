@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from ...errors import TraceError
 from ...fake import device_meta_kernels, idle_module_to
 from ...torch_utils import Inputs, is_fake
-from .base import Captured
+from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
 from .functions import functions_note, opaque_functions
 from .packing import PACKING_NOTE, check_packing, eager_packing
@@ -201,9 +201,9 @@ def _without_ones_mask(model: nn.Module, inputs: Inputs, notes: list[str]) -> tu
     batch. No mask means a mask of ones (transformers' convention), so such a batch is captured
     without it, and a call whose mask is all ones runs that graph (a batch that pads is another call
     structure: planned on first sight)."""
-    mask = inputs.kwargs.get("attention_mask")
-    top = type(model).__dict__.get("_ckptopt_base", type(model))
-    if not any(c.__module__.startswith(("transformers.", "peft.")) for c in top.__mro__) or not _all_ones(mask):
+    from ...inplace import inspected_by_type
+
+    if not inspected_by_type(model) or not _all_ones(inputs.kwargs.get("attention_mask")):
         return inputs, False
     notes.append("the example's attention_mask is all ones (no padding): captured without it, as transformers "
                  "runs such a batch eagerly (no mask built or saved); a batch that pads is planned on first sight")
@@ -426,21 +426,6 @@ def _no_cache(model: nn.Module, notes: list[str]):
             config.use_cache = True
 
 
-def _resolves(root: Any, target: str) -> bool:
-    obj = root
-    for part in target.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            return False
-    return True
-
-
-def _attr(root: Any, target: str) -> Any:
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _constants_to_root(gm: fx.GraphModule, model: nn.Module) -> None:
