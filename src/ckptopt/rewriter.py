@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from .plan import Plan
 from .simulator import simulate
 from .torch_utils import Inputs, inputs_from_list
+from .tracer.capture.base import attr as _attr
 from .tracer.capture.blocks import BlockCall
 from .tracer.chain import TracedModel
 from .tracer.cuts import subgraph_module
@@ -445,13 +446,6 @@ def call_structure(call: Inputs, static_shapes: bool = False) -> tuple:
 
     return (tuple(sorted(call.kwargs)), len(call.args), tuple(one(v) for v in call.args),
             tuple((k, one(call.kwargs[k])) for k in sorted(call.kwargs)))
-
-
-def _attr(root: nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _take_inputs_from_list(sub: fx.GraphModule) -> None:
