@@ -24,6 +24,7 @@ from typing import Any
 import torch.nn as nn
 
 from .rewriter import CheckpointedModule
+from .torch_utils import inspected_by_type
 
 __all__ = ["attach", "detach", "attached", "inspected_by_type", "planning", "planning_now"]
 
@@ -31,16 +32,6 @@ _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, CheckpointedModule]" = weakref.
 _PLANNING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models being planned: their own forward runs
 _SUBCLASSES: dict[type, type] = {}
 
-#: Base classes whose instances tools inspect by type (module, class name): the model itself is
-#: returned, with the plan attached.
-_BY_TYPE = (("transformers.", "PreTrainedModel"), ("peft.", "PeftModel"), ("diffusers.", "ModelMixin"))
-
-
-def inspected_by_type(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers, PEFT or diffusers model (which Trainer, accelerate and
-    PEFT inspect by type and signature): the plan is then attached in place by default."""
-    return any(c.__module__.startswith(mod) and c.__name__ == name for c in type(model).__mro__
-               for mod, name in _BY_TYPE)
 
 
 @contextmanager

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["Inputs", "normalize_inputs", "default_loss", "tensor_leaves",
-           "storage_nbytes", "clone_layout", "is_fake", "distinct_storages", "check_module", "resolve_device", "no_lasting_state",
+           "storage_nbytes", "clone_layout", "is_fake", "inspected_by_type", "distinct_storages", "check_module", "resolve_device", "no_lasting_state",
            "PythonState", "python_state", "data_dependent_construct", "source_line", "own_checkpointing_hint",
            "FAKE_VALUES_NOTE", "REWRITE_HINT", "restore_python_state", "describe_value", "ATOMS", "base_container"]
 
@@ -71,6 +71,18 @@ def clone_layout(t: torch.Tensor) -> torch.Tensor:
         with unset_fake_temporarily():
             mode._keep(out, shadows[t].clone())
     return out
+
+
+#: Base classes whose instances tools inspect by type (module, class name): a model of one gets the
+#: plan attached in place (:mod:`ckptopt.inplace`).
+_BY_TYPE = (("transformers.", "PreTrainedModel"), ("peft.", "PeftModel"), ("diffusers.", "ModelMixin"))
+
+
+def inspected_by_type(model: Any) -> bool:
+    """Whether ``model`` is a transformers, PEFT or diffusers model (which Trainer, accelerate and
+    PEFT inspect by type and signature): the plan is then attached in place by default."""
+    return any(c.__module__.startswith(mod) and c.__name__ == name for c in type(model).__mro__
+               for mod, name in _BY_TYPE)
 
 
 def is_fake(t: torch.Tensor) -> bool:

@@ -50,7 +50,7 @@ from torch.utils import _pytree as pytree
 
 from ...errors import TraceError
 from ...fake import device_meta_kernels, idle_module_to
-from ...torch_utils import Inputs, is_fake
+from ...torch_utils import Inputs, inspected_by_type, is_fake
 from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
 from .functions import functions_note, opaque_functions
@@ -201,8 +201,6 @@ def _without_ones_mask(model: nn.Module, inputs: Inputs, notes: list[str]) -> tu
     batch. No mask means a mask of ones (transformers' convention), so such a batch is captured
     without it, and a call whose mask is all ones runs that graph (a batch that pads is another call
     structure: planned on first sight)."""
-    from ...inplace import inspected_by_type
-
     if not inspected_by_type(model) or not _all_ones(inputs.kwargs.get("attention_mask")):
         return inputs, False
     notes.append("the example's attention_mask is all ones (no padding): captured without it, as transformers "
