@@ -64,8 +64,9 @@ class InjectGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g = _layout_grad(ctx.template, ctx.device, ctx.record.get("layout"))
-        if g is None:
-            g = torch.ones_like(ctx.template, device=ctx.device)
+        if g is None:  # (contiguous, whatever the output's layout: as the next layer's backward hands
+            # it out unless that one records another layout, docs/design.md §3)
+            g = torch.ones(ctx.template.shape, dtype=ctx.template.dtype, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
         ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
         if "on_free" in ctx.record:  # when the engine lets it go

@@ -145,7 +145,10 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         # concatenation after it hands each a view of the same gradient) is measured again with
         # that storage shared, so that its figures count it once
         again = False
-        for j, b in enumerate(built):
+        # last layer first: a layer's output gradient is laid out as the next layer's backward hands
+        # it out, which depends on how that layer's own output gradient is laid out
+        for j in reversed(range(len(built))):
+            b = built[j]
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
             held = _held_pending(j, streams.io[j], side)
             layout = _out_grad_layout(j, layers, grad_store)
