@@ -248,7 +248,10 @@ class _Found:
                 self.grad[t] = max(self.grad.get(t, 0), gbytes)
                 self.grad_by[t].add(j)  # (a consumer reading only its size adds nothing)
             # its gradient is a view of this layer's output gradient, or of the storage its chain
-            # input's gradient lives in (a concatenation's slices, an addition's one gradient)
+            # input's gradient lives in (a concatenation's slices, an addition's one gradient); the
+            # last consumer's that says so (whatever order the layers are measured, or measured again, in)
+            if t in self.view and self.view[t][1] > j:
+                continue
             if shares == "main" and b.x_node is not None and j > 0:
                 self.view[t] = ("in", j)
             elif is_out:
