@@ -773,6 +773,38 @@ def test_regression_a_gradient_used_up_early_is_held_on_by_a_side_tensor_sharing
     check_random_model(REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE)
 
 
+# Found by benchmarks/exactness_fuzz.py (the run of 2026-11-26 after the gradient-layout fix; the same two
+# models, replayed, were as far under before it): a layer whose outputs are all side tensors, one of them
+# (a LayerNorm's) read at the end by a concatenation, which hands it a slice of its gradient. Measured
+# alone, that output's gradient was its own size; in the model the whole concatenation gradient is live
+# when the layer's backward starts its recomputation: under by a tensor (960 B, 10.6%; 150 B in bfloat16)
+# on every plan that checkpoints the first layer. A side output alone whose gradient is a slice of a
+# larger storage is now measured with it handed out as that slice.
+REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE = Spec(family='mlp', dtype='float64', batch=4, shape=(30,),
+    nodes=(Node(op='sigmoid', inputs=(0,)), Node(op='gelu', inputs=(1,)), Node(op='cat', inputs=(2, 1)),
+           Node(op='ln', inputs=(0,)), Node(op='relu_module_plain', inputs=(4,)), Node(op='add', inputs=(0, 1)),
+           Node(op='linear', inputs=(6,), width=4), Node(op='mul', inputs=(2, 0)), Node(op='cat', inputs=(8, 4))),
+    classes=2, input_requires_grad=False, dropout_p=0.3)
+REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_BF16 = Spec(family='mlp', dtype='bfloat16', batch=5, shape=(30,),
+    nodes=(Node(op='linear', inputs=(0,), width=21), Node(op='relu', inputs=(1,)), Node(op='pool1d', inputs=(0,)),
+           Node(op='relu', inputs=(3,)), Node(op='mul', inputs=(4, 3), inplace='relu_module'),
+           Node(op='cat', inputs=(2, 3)), Node(op='cat', inputs=(6, 2)), Node(op='silu', inputs=(7,)),
+           Node(op='mul', inputs=(3, 5)), Node(op='cat', inputs=(9, 4))),
+    classes=4, input_requires_grad=True, dropout_p=0.3)
+
+
+def test_regression_a_side_output_whose_gradient_is_a_slice_is_measured_with_the_whole_storage():
+    model, x = build(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE, seed=100196380)
+    tm = trace(model.train(), (x,))
+    ln = next(t for t in tm.costs.side if t.grad_bytes)
+    assert ln.producer == 0 and ln.grad_bytes == 2 * ln.bytes and ln.grad_view == 2
+    _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 2), (2, 4), (1, 2, 3, 4)])
+    model, x = build(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_BF16, seed=726054815)
+    tm = trace(model.train(), (x,))
+    gaps = _gaps(model, x, tm, [(), (1,), (1, 2), (1, 4), (1, 2, 3, 4)])  # (bfloat16: the loss is in
+    assert all(0 <= gap <= LOSS_BYTES for gap in gaps.values()), gaps  # the model's bytes or not)
+
+
 # Found by benchmarks/exactness_fuzz.py (the final run of 2026-11-26: under-predicted by 4,616 B, 14.6%,
 # on every plan, no checkpointing included): a product of a side tensor and its dropout (both saved
 # by the product alone) lets both go at one moment of its backward. Each release split was measured

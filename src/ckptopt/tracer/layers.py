@@ -439,7 +439,8 @@ def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tu
 def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: list[int],
                          grad_root: list[int]) -> tuple:
     """Groups of layer ``j``'s outputs (0 the chain output, then its side outputs) whose gradients are
-    one storage when its backward runs, with that storage's bytes (only groups of two or more).
+    one storage when its backward runs, with that storage's bytes: groups of two or more, and a side
+    output alone whose gradient is a slice of a larger storage.
 
     A group may also hold ``("in", k)``: side input ``k``, whose gradient a later consumer already
     made as a view of that same storage (a concatenation after layer ``j`` hands a slice to its
@@ -463,6 +464,13 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
             sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
+        elif key[0] == "view" and (members[0] > 0 or io.main_out is None):
+            # one side output whose gradient is a slice of a larger storage (a concatenation's
+            # gradient): handed out as that slice, so the whole storage is live while it is
+            t = io.side_out[members[0] - (1 if io.main_out is not None else 0)]
+            nbytes = max(grad_store[key[1]], side[t].grad_bytes)
+            if nbytes > side[t].bytes:
+                out.append((tuple(members), nbytes))
     return tuple(out)
 
 
