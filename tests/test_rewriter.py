@@ -258,3 +258,36 @@ def test_bad_input():
         apply_plan(model, tm, solve(other.costs, "none"))
     with pytest.raises(TypeError, match="Plan"):
         apply_plan(model, tm, (1, 2))
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_an_unwrapped_segment_that_reads_only_parameters_runs(capture):
+    """Mamba's ``-exp(A_log.float())`` reads a parameter and nothing else: a stored segment starting
+    there has no inputs, and its code (which takes its inputs as a list only when it has some) was
+    called with an empty list; the first training call of the planned Mamba raised a TypeError."""
+    import copy
+
+    from ckptopt import Plan, simulate
+
+    class Decay(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.log_rate = nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) * -torch.exp(self.log_rate.float()))
+
+    torch.manual_seed(0)
+    model, x = Decay().train(), torch.randn(8, 16)
+    t = trace(model, x, capture=capture)
+    (k,) = [l.index for l in t.layers if not l.input_node and not l.side_inputs]
+    cps, stored = (k, k + 1), (k,)
+    p = simulate(t.costs, cps, stored)
+    planned = apply_plan(copy.deepcopy(model), t, Plan(cps, p.peak_bytes, "given", 0.0, t.n, stored))
+    out, ref = planned(x), model(x)
+    out.pow(2).mean().backward()
+    ref.pow(2).mean().backward()
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(planned.parameters(), model.parameters()))
+    assert 0 <= measure_peak(planned, x) - p.peak_bytes <= 8

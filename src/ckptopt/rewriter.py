@@ -337,7 +337,7 @@ class CheckpointedModule(nn.Module):
             else:  # it empties the list: each input is freed after its last use inside the segment
                 for nm in seg.drop_names:
                     env.pop(nm, None)
-                res = fn(inputs)
+                res = fn(inputs) if seg.input_names else fn()  # (a segment that reads nothing takes no list)
             del inputs
             env.update(zip(seg.output_names, res))
             del res
