@@ -424,8 +424,6 @@ def _no_cache(model: nn.Module, notes: list[str]):
             config.use_cache = True
 
 
-
-
 def _constants_to_root(gm: fx.GraphModule, model: nn.Module) -> None:
     """Move every ``get_attr`` target under a submodule path that the model does not have (a
     constant ``torch.export`` lifted) to a root attribute of ``gm`` whose name the model does
