@@ -291,3 +291,59 @@ def test_an_unwrapped_segment_that_reads_only_parameters_runs(capture):
     assert torch.equal(out, ref)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(planned.parameters(), model.parameters()))
     assert 0 <= measure_peak(planned, x) - p.peak_bytes <= 8
+
+
+def _bn_chain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+                           for _ in range(6)]).train()
+
+
+def test_a_plan_that_fails_its_first_training_step_is_caught_before_it_is_returned(monkeypatch):
+    """optimize_checkpoints runs one fake training step through the rewritten module: a rewriter
+    fault that only shows in training (here: every checkpointed segment raises) is a TraceError
+    at planning time, naming the cause, not a module that fails in the user's loop."""
+    import ckptopt.rewriter as rewriter
+
+    def broken(fn, *args, **kwargs):
+        raise RuntimeError("segment called with the wrong arguments")
+
+    model, x = _bn_chain(), torch.randn(4, 8, 16, 16)
+    assert optimize_checkpoints(model, x).plan.checkpoints  # the unbroken plan checkpoints something
+    monkeypatch.setattr(rewriter, "checkpoint", broken)
+    with pytest.raises(Exception) as info:
+        optimize_checkpoints(model, x)
+    assert type(info.value).__name__ == "TraceError"
+    assert "training step" in str(info.value) and "segment called with the wrong arguments" in str(info.value)
+
+
+def test_the_fake_training_step_leaves_the_model_untouched():
+    """The verifying step runs on a fake copy: no gradient, no BatchNorm statistics, no version bump."""
+    model, x = _bn_chain(), torch.randn(4, 8, 16, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = optimize_checkpoints(model, x)
+    assert fast.plan.checkpoints
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_step_fake_tensors_cannot_run_is_said_in_explain_not_raised(monkeypatch):
+    """A step that reads a tensor's value cannot run on fake tensors: the plan is returned and
+    explain() says it was not verified (the real step may well pass)."""
+    import ckptopt.rewriter as rewriter
+
+    real = rewriter.checkpoint
+
+    def reads_a_value(fn, *args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(isinstance(a, FakeTensor) for a in args):
+            bool(args[0].sum() > 0)  # DataDependentOutputException on a fake tensor
+        return real(fn, *args, **kwargs)
+
+    model, x = _bn_chain(), torch.randn(4, 8, 16, 16)
+    monkeypatch.setattr(rewriter, "checkpoint", reads_a_value)
+    fast = optimize_checkpoints(model, x)
+    assert "not verified by a fake training step" in fast.explain()
+    fast(x).sum().backward()  # and the real step runs

@@ -161,6 +161,8 @@ def optimize_checkpoints(
         if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
             plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
     module = apply_plan(model, tm, plan)
+    if not sharded:
+        _verify_training_step(module, example_inputs, loss_fn)
     if sharded:
         _fully_shard(model, module, leaf_modules, parallel)
         rebind(tm.gm, model)
@@ -277,6 +279,47 @@ def _changes(before: dict, after: dict, paths: dict) -> list[str]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_fn: Callable | None) -> None:
+    """Run one training step (forward, loss, backward) through the rewritten ``module`` on a
+    fake-tensor copy before it is returned: a plan that would fail at the first training call
+    (a constant the capture lifted and the rewriter left behind, a segment called with the wrong
+    arguments, an in-place change to a tensor a recomputation needs) fails here, with an error that
+    says so, instead of in the user's training loop. The copy costs no memory and leaves the model
+    untouched (its parameters get no gradient).
+
+    A step that cannot run on fake tensors because the forward reads a tensor's value is not an
+    error (the real run may well pass): ``explain()`` says the step was not verified.
+    """
+    from .torch_utils import default_loss
+
+    name = type(module.original).__name__
+    try:
+        fake = fake_copy(module, normalize_inputs(example_inputs))
+        with quiet_fake_errors(), idle_module_to(), fake.mode:
+            out = fake.inputs.call(fake.model)
+            loss = (loss_fn or default_loss)(out)
+            if isinstance(loss, torch.Tensor) and loss.requires_grad:
+                loss.backward()
+    except TraceError:
+        raise
+    except Exception as exc:
+        line = source_line(exc)
+        where = f" at {line}" if line else ""
+        if data_dependent_construct(exc) is not None:
+            note = (f"the plan was not verified by a fake training step before it was returned: the step reads a "
+                    f"tensor's value{where}, which fake tensors do not have")
+            object.__setattr__(module, "_unverified", note)
+            return
+        what = f"{len(module.plan.checkpoints)} checkpoints" if module.plan.checkpoints else "no checkpoint"
+        raise TraceError(
+            f"ckptopt planned {name} ({what}), but one training step through the rewritten module, run on "
+            f"fake tensors before returning it, failed: {_first_line(exc)}{where}. The model was traced and "
+            "planned without error, so this is a ckptopt bug: please report this model. To train now, try "
+            "capture='fx' or capture='export' (the other front end), or leaf_modules=[...] naming the "
+            "submodule in that line; or use the model's own gradient checkpointing.",
+            node=name) from exc
 
 
 def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: Any,

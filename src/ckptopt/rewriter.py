@@ -188,6 +188,7 @@ class CheckpointedModule(nn.Module):
         self._warned_shapes = False
         self._warned_unplanned = False
         object.__setattr__(self, "_replan", None)  # set by optimize_checkpoints: plans another call structure
+        object.__setattr__(self, "_unverified", None)  # set by optimize_checkpoints: why no fake step ran
         object.__setattr__(self, "_variants", {})  # call structure -> CheckpointedModule (or None: failed)
         gm = traced.gm
         self._ph_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
@@ -396,6 +397,8 @@ class CheckpointedModule(nn.Module):
                          "eval mode and no_grad run the original forward")
         elif captured is not None and captured.notes:
             lines.append(f"captured with torch.fx ({'; '.join(captured.notes)})")
+        if self._unverified:
+            lines.append(self._unverified)
         if not plan.checkpoints:
             lines.append("checkpointing cannot lower the peak of this model at these shapes: "
                          "it runs unchanged (one unwrapped segment)")
