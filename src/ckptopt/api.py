@@ -294,16 +294,24 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
     """
     from .torch_utils import default_loss
 
+    import warnings
+
     name = type(module.original).__name__
     try:
-        fake = fake_copy(module, normalize_inputs(example_inputs))
-        with quiet_fake_errors(), idle_module_to(), fake.mode:
+        with warnings.catch_warnings():  # (the user's warnings filters are for their own step: a copy's
+            warnings.simplefilter("ignore")  # deprecation notes must not fail it, nor reach them)
+            fake = fake_copy(module, normalize_inputs(example_inputs))
+    except TraceError as exc:  # (the model itself was copied for the side-effect check: not the plan's fault)
+        object.__setattr__(module, "_unverified", "the plan was not verified by a fake training step before it "
+                           f"was returned: the rewritten module could not be copied onto fake tensors ({exc})")
+        return
+    try:
+        with quiet_fake_errors(), idle_module_to(), fake.mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             out = fake.inputs.call(fake.model)
             loss = (loss_fn or default_loss)(out)
             if isinstance(loss, torch.Tensor) and loss.requires_grad:
                 loss.backward()
-    except TraceError:
-        raise
     except Exception as exc:
         line = source_line(exc)
         where = f" at {line}" if line else ""

@@ -470,6 +470,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                             continue  # (one output alone: only as a slice of a larger storage)
                         rec = record if y is not None and 0 in members else {}
                         if rec is not record:
+                            if y is None and len(outs_all) == 1:
+                                # the layer's only output, a slice of a larger storage: that storage is
+                                # its output gradient (g), as a chain output's is (rg, rgk below)
+                                rec.update(on_free=record["on_free"], storage=True)
                             side_injects.append(rec)
                         roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members],
                                                        *[sides[k] for k in ins]))
@@ -519,6 +523,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # the output's own gradient (a view output's is the view's size, not its storage's)
                 ga = min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else a
                 out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
+                only = record.get("only_side_out", {})
+                if y_ptr is None and only.get("storage"):
+                    out_main = only.get("grad_bytes", 0)
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
                 pending += side_record.get("pending", 0) + held_record.get("pending", 0)

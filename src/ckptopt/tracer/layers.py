@@ -464,7 +464,7 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             sizes = [grad_store[key[1]]] + [side[t].grad_bytes for t in io.side_out]
             sizes += [side[io.side_in[m[1]]].grad_bytes for m in members if isinstance(m, tuple)]
             out.append((tuple(members), max(sizes)))
-        elif key[0] == "view" and (members[0] > 0 or io.main_out is None) and len(keys) > 1:
+        elif key[0] == "view" and (members[0] > 0 or io.main_out is None):
             # one side output whose gradient is a slice of a larger storage (a concatenation's
             # gradient): handed out as that slice, so the whole storage is live while it is (a
             # layer's only output is its output gradient's storage already, g: not again)
