@@ -837,3 +837,25 @@ def test_regression_two_side_tensors_let_go_at_one_moment_are_counted_together_b
     assert sum(4 in t.saved_by for t in tm.costs.side) == 2  # the product saves both
     _assert_exact(model, x, tm, [(), (2, 4), (7,), (4,), (5,), (2, 5, 7)])
     check_random_model(REGRESSION_TWO_SIDES_LET_GO_TOGETHER)
+
+
+# Found by benchmarks/exactness_fuzz.py (every run since the gradient-layout fix: under by 30 B beyond the
+# loss on every plan, undiagnosed until 2026-11-26): a concatenation whose output is a side tensor only (two
+# later layers read it, so its gradient is the sum of their contributions, a storage of its own) hands the
+# layer before it a slice of that sum. The previous layer's output gradient lives in that storage (116 B,
+# not its own 72 B) while its backward runs; the storage was followed only when it was a view of a later
+# layer's output gradient.
+REGRESSION_SLICE_OF_A_SUMMED_SIDE_GRADIENT = Spec(family='mlp', dtype='bfloat16', batch=2, shape=(11,),
+    nodes=(Node(op='linear', inputs=(0,), width=18, inplace='relu_'), Node(op='cat', inputs=(1, 0)),
+           Node(op='linear', inputs=(2,), width=19), Node(op='cat', inputs=(3, 2)), Node(op='relu', inputs=(4,)),
+           Node(op='gelu', inputs=(5,))), classes=4, input_requires_grad=False, dropout_p=0.3)
+
+
+def test_regression_a_slice_of_a_summed_side_gradient_is_the_previous_layers_output_gradient():
+    model, x = build(REGRESSION_SLICE_OF_A_SUMMED_SIDE_GRADIENT, seed=706591006)
+    model.train()
+    tm = trace(model, (x,))
+    (cat,) = tm.costs.side
+    assert tm.layers[1].side_outputs == (cat.name,) and tm.costs.a[1] == 0 and len(cat.consumers) == 2
+    assert tm.costs.g[0] == cat.bytes > tm.costs.a[0]
+    _assert_exact(model, x, tm, [(), (2,), (2, 3, 4, 5, 6), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7)])

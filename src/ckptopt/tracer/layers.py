@@ -399,26 +399,33 @@ def _storages_and_sides(layers: list[Layer], streams: Streams, values: dict,
     storage is the later one's, counted once and held until the last view goes. (A side tensor
     several consumers add to has a storage of its own by then: the sum.)"""
     via: dict[int, int] = {}
+    own: dict[int, int] = {}
     for _ in range(len(layers) + 1):
-        grad_store, grad_root = _grad_storages(layers, via)
+        grad_store, grad_root = _grad_storages(layers, via, own)
         side = found.side_tensors(streams, values, grad_store, grad_root)
-        nxt = {}
+        nxt, nxt_own = {}, {}
         for j, io in enumerate(streams.io):
             if io.main_out is None and len(io.side_out) == 1 and j < len(layers):
                 t = side[io.side_out[0]]
                 if t.grad_view > j and t.grad_bytes and t.grad_split == j:  # (still a view at j: no sum)
                     nxt[j] = t.grad_view
-        if nxt == via:
+                elif t.grad_bytes:  # (a storage of its own: the sum of its consumers' contributions)
+                    nxt_own[j] = t.grad_storage(j)[1]
+        if nxt == via and nxt_own == own:
             return grad_store, grad_root, side
-        via = nxt
+        via, own = nxt, nxt_own
     raise AssertionError("gradient storages did not settle")  # (each round only moves roots later)
 
 
-def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
+def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None,
+                   own: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
     """Per layer, the bytes of the storage its output gradient lives in and the layer whose output
     gradient that storage is: a view of a larger tensor when the next layer's backward hands out a
     slice (a concatenation's), kept whole while the layer runs. ``via`` maps a layer whose output
-    gradient is a view of a later layer's (through a side tensor) to that later layer."""
+    gradient is a view of a later layer's (through a side tensor) to that later layer; ``own`` a
+    layer whose only output is a side tensor with a gradient storage of its own (the sum of its
+    consumers' contributions) to that storage's bytes: a slice of it that the layer's backward hands
+    on is the previous layer's output gradient (the side terms count the storage up to here)."""
     grad_store = [l.costs.a if l.costs.ga is None else l.costs.ga for l in layers]
     grad_root = list(range(len(layers)))
     for i in range(len(layers) - 1, -1, -1):
@@ -428,7 +435,9 @@ def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None) -> tu
         m = layers[i].costs
         if i == 0 or not layers[i].input_node or layers[i - 1].costs.a == 0:
             continue
-        if m.gin_is_out:
+        if m.gin_is_out and own and i in own and not layers[i].costs.a:
+            grad_store[i - 1] = max(grad_store[i - 1], own[i])
+        elif m.gin_is_out:
             grad_store[i - 1] = max(grad_store[i - 1], grad_store[i])
             grad_root[i - 1] = grad_root[i]
         elif m.gin is not None:
