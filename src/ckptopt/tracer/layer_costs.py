@@ -465,7 +465,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         ins = [k[1] for k in members if isinstance(k, tuple) and side_pending[k[1]]
                                and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
                         members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad]
-                        if not members or (len(members) + len(ins) < 2 and int(nbytes) <= (
+                        lone = y is None and len(outs_all) == 1  # (the layer's only output: g is its storage)
+                        if not members or (len(members) + len(ins) < 2 and not lone and int(nbytes) <= (
                                 outs_all[members[0]].numel() * outs_all[members[0]].element_size())):
                             continue  # (one output alone: only as a slice of a larger storage)
                         rec = record if y is not None and 0 in members else {}

@@ -479,8 +479,8 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             # layer's only output is its output gradient's storage already, g: not again)
             t = io.side_out[members[0] - (1 if io.main_out is not None else 0)]
             nbytes = max(grad_store[key[1]], side[t].grad_bytes)
-            if nbytes > side[t].bytes:
-                out.append((tuple(members), nbytes))
+            if nbytes > side[t].bytes or len(keys) == 1:  # (a lone output: a view of the chain gradient,
+                out.append((tuple(members), nbytes))      # which g counts, as the chain output's is)
     return tuple(out)
 
 
