@@ -152,9 +152,14 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
             held = _held_pending(j, streams.io[j], side)
             layout = _out_grad_layout(j, layers, grad_store)
-            if shared or any(held) or layout:
+            # a side input is pending when a later consumer's backward adds to its gradient, not when
+            # one only reads it (a dead branch, a size): then this layer's contribution is the first,
+            # handed out as its backward makes it (a concatenation's slice), not summed out of place
+            pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
+            read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
+            if shared or any(held) or layout or pending != read_later:
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout)
+                             shared, held, layout, pending)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -183,7 +188,7 @@ class _Built:
 
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
-             layout: tuple | None = None) -> LayerMeasurement:
+             layout: tuple | None = None, pending: list[bool] | None = None) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -202,7 +207,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
         if io.side_in or io.side_out or x is None:
             # a side input whose gradient a later layer already made: pending, summed out of place
             kw.update(side_inputs=[values[n] for n in b.side_in],
-                      side_pending=[streams.consumers[t][-1] > j for t in io.side_in], side_pending_held=held,
+                      side_pending=(pending if pending is not None else
+                                    [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, **kw)
