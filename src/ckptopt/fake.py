@@ -37,14 +37,15 @@ class FakeCopy:
     inputs: Inputs
 
 
-def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
+def fake_copy(model: nn.Module, inputs: Inputs, share: tuple = ()) -> FakeCopy:
     """Deep-copy ``model`` onto fake tensors (parameters, buffers) and convert ``inputs``.
 
     Run the copy inside ``with copy.mode:``; nothing it computes allocates memory.
     The mode is a :func:`fake_mode`: an op runs the checks of the kernel the real
     tensors' device runs, so a fake run takes the path the real run takes.
     Attributes that cannot be deep-copied (a lock, an open file, a generator) are
-    shared with the copy rather than copied.
+    shared with the copy rather than copied, and so are the objects in ``share`` from
+    the start (a graph node the copy only reads: copying one recurses through its graph).
 
     Raises
     ------
@@ -53,11 +54,11 @@ def fake_copy(model: nn.Module, inputs: Inputs) -> FakeCopy:
     """
     mode = fake_mode()
     try:
-        fmodel = _fake_deepcopy(model, mode, {})
+        fmodel = _fake_deepcopy(model, mode, {id(o): o for o in share})
     except Exception as exc:  # noqa: BLE001 - retried with the uncopyable attributes shared
         shared = _uncopyable(model)
         try:
-            fmodel = _fake_deepcopy(model, mode, {id(o): o for _, o in shared})
+            fmodel = _fake_deepcopy(model, mode, {id(o): o for o in [*share, *(o for _, o in shared)]})
         except Exception as exc2:  # noqa: BLE001
             from .errors import TraceError
 
