@@ -293,3 +293,19 @@ def test_n_too_large_for_brute():
     err = expect(ProblemTooLarge, r"refuses n > 20 \(this model has n = 2\d\).*use the exact solver 'dp2'",
                  model, X, solver="brute")
     assert isinstance(err, ValueError)
+
+
+def test_a_plan_that_fails_the_training_step_check(monkeypatch):
+    """The rewritten module is run for one fake training step before it is returned: a rewriter fault
+    that only shows in training is an error at planning time, and the model is left as it was (the
+    BatchNorm guards the rewriter put on its modules removed)."""
+    import ckptopt.rewriter
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a segment was called with the wrong arguments")
+
+    monkeypatch.setattr(ckptopt.rewriter.CheckpointedModule, "forward", broken)
+    err = expect(TraceError, r"one training step through the rewritten module, run on fake tensors before "
+                             r"returning it, failed: RuntimeError: a segment was called with the wrong arguments",
+                 small_model(), X)
+    assert "please report this model" in str(err)

@@ -321,6 +321,7 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
             object.__setattr__(module, "_unverified", note)
             return
         what = f"{len(module.plan.checkpoints)} checkpoints" if module.plan.checkpoints else "no checkpoint"
+        module.remove_hooks()  # (the BatchNorm guards it put on the model's modules: the model as it was)
         raise TraceError(
             f"ckptopt planned {name} ({what}), but one training step through the rewritten module, run on "
             f"fake tensors before returning it, failed: {_first_line(exc)}{where}. The model was traced and "
