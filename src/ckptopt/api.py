@@ -102,7 +102,15 @@ def optimize_checkpoints(
         In eval mode, under ``torch.no_grad()`` and for calls that do not match
         the planned signature, a ``torch.export``-captured model runs its own
         forward. When no plan beats no checkpointing it runs the model unchanged
-        and says so in ``explain()``.
+        and says so in ``explain()``. Before it is returned, one training step runs
+        through it on a fake-tensor copy (no memory, the model untouched).
+
+    Raises
+    ------
+    TraceError
+        When the model cannot be captured or measured (naming the construct and what
+        to do), or when that training step fails (the plan would have failed at the
+        first training call).
 
     Examples
     --------
