@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -13,8 +14,8 @@ from .plan import Plan
 from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
-from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, describe_value,
-                          normalize_inputs, python_state, restore_python_state, source_line)
+from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, default_loss,
+                          describe_value, normalize_inputs, python_state, restore_python_state, source_line)
 from .fake import fake_copy, idle_module_to, quiet_fake_errors
 from .tracer.capture import check_capture_mode
 
@@ -300,10 +301,6 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
     A step that cannot run on fake tensors because the forward reads a tensor's value is not an
     error (the real run may well pass): ``explain()`` says the step was not verified.
     """
-    from .torch_utils import default_loss
-
-    import warnings
-
     name = type(module.original).__name__
     try:
         with warnings.catch_warnings():  # (the user's warnings filters are for their own step: a copy's

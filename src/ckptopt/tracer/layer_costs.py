@@ -471,7 +471,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                             continue  # (one output alone: only as a slice of a larger storage)
                         rec = record if y is not None and 0 in members else {}
                         if rec is not record:
-                            if y is None and len(outs_all) == 1:
+                            if lone:
                                 # the layer's only output, a slice of a larger storage: that storage is
                                 # its output gradient (g), as a chain output's is (rg, rgk below)
                                 rec.update(on_free=record["on_free"], storage=True)

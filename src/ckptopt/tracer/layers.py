@@ -454,8 +454,9 @@ def _grad_storages(layers: list[Layer], via: dict[int, int] | None = None,
 def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: list[int],
                          grad_root: list[int]) -> tuple:
     """Groups of layer ``j``'s outputs (0 the chain output, then its side outputs) whose gradients are
-    one storage when its backward runs, with that storage's bytes: groups of two or more, and a side
-    output alone whose gradient is a slice of a larger storage.
+    one storage when its backward runs, with that storage's bytes: groups of two or more, a side
+    output alone whose gradient is a slice of a larger storage, and a layer's only output (a side
+    tensor) whose gradient views a later layer's output-gradient storage (its ``g``).
 
     A group may also hold ``("in", k)``: side input ``k``, whose gradient a later consumer already
     made as a view of that same storage (a concatenation after layer ``j`` hands a slice to its
@@ -481,8 +482,8 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             out.append((tuple(members), max(sizes)))
         elif key[0] == "view" and (members[0] > 0 or io.main_out is None):
             # one side output whose gradient is a slice of a larger storage (a concatenation's
-            # gradient): handed out as that slice, so the whole storage is live while it is (a
-            # layer's only output is its output gradient's storage already, g: not again)
+            # gradient): handed out as that slice, so the whole storage is live while it is; a
+            # layer's only output is handed out so at any size, its rg then taken relative to it
             t = io.side_out[members[0] - (1 if io.main_out is not None else 0)]
             nbytes = max(grad_store[key[1]], side[t].grad_bytes)
             if nbytes > side[t].bytes or len(keys) == 1:  # (a lone output: a view of the chain gradient,
