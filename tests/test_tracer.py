@@ -563,3 +563,32 @@ def test_a_static_buffer_filled_by_the_model_stays_where_it_is_filled():
         assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8
     finally:
         opt.remove_hooks()
+
+
+def _forward_peak_above_start(layer, x, wrap) -> int:
+    from ckptopt.tracker import StorageTracker
+
+    tracker = StorageTracker()
+    tracker.register(layer, x)
+    start = tracker.current_bytes
+    with tracker:
+        y = wrap(layer, x)
+    del y
+    return tracker.peak_bytes - start
+
+
+def test_a_layers_forward_in_a_checkpoint_keeps_none_of_its_saved_tensors():
+    # non-reentrant checkpoint's first pass keeps none of what the layer saves: the convolution's
+    # output, which the BatchNorm saves, dies once the BatchNorm has read it (fc), where plain
+    # autograd keeps it to the backward (f)
+    from torch.utils.checkpoint import checkpoint
+
+    from ckptopt.tracer.layer_costs import measure_layer
+
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).train()
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    m = measure_layer(layer, x)
+    assert m.fc < m.f
+    assert m.f == _forward_peak_above_start(layer, x, lambda mod, t: mod(t))
+    assert m.fc == _forward_peak_above_start(layer, x, lambda mod, t: checkpoint(mod, t, use_reentrant=False))

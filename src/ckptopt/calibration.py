@@ -151,8 +151,9 @@ class Calibration:
             layers["f"][i] += cal.forward_scratch
             if layers["fs"][i] > 0:
                 layers["fs"][i] += cal.forward_scratch
-            if "ff" in layers:  # (present where they differ from f, fs)
-                layers["ff"][i] += cal.forward_scratch
+            for name in ("ff", "fc", "ffc"):  # (present where they differ from f, fs)
+                if name in layers:
+                    layers[name][i] += cal.forward_scratch
             if "ffs" in layers and layers["ffs"][i] > 0:
                 layers["ffs"][i] += cal.forward_scratch
             layers["b"][i] += cal.backward_scratch

@@ -21,6 +21,11 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``ff[i]``, ``ffs[i]`` (optional) ``f[i]`` and ``fs[i]`` with the input dying at its last use
            inside the layer, where nothing else holds it (no save of the layer before, no
            checkpoint). Default: ``f[i]``, ``fs[i]``
+``fc[i]``, ``ffc[i]`` (optional) ``f[i]`` and ``ff[i]`` in a checkpoint's first pass, whose pack
+           hook keeps none of the tensors the layer saves: each dies at its last use (a
+           normalization's input), where autograd elsewhere keeps it to the backward. The
+           forward terms of a checkpointed segment read them (``fc`` its first layer, whose
+           input the call holds). Default: ``f[i]``, ``ff[i]``
 ``rg[i]``  (optional) gradient bytes the backward of layer ``i`` holds when it first
            reads a saved tensor (its output gradient plus what ops that save
            nothing, at the end of the layer, already produced): a recomputation
@@ -241,8 +246,10 @@ class KernelArrays(NamedTuple):
     ``qbr``   ``qb`` with ``br`` for ``b`` (a layer of a checkpointed segment: recomputed saves)
     ``qbkr``  ``qbk`` with ``bkr`` for ``bk``
     ``ff``    ``f`` with the input dying at its last use (an unwrapped segment's first layer whose
-              input nothing else holds); ``fw``, ``qf`` and ``qs`` take ``ff``/``ffs`` where
+              input nothing else holds); ``qf`` and ``qs`` take ``ff``/``ffs`` where
               nothing holds the layer's input
+    ``fc``    ``f`` in a checkpoint's first pass (its saved tensors not kept): the forward term of a
+              checkpointed segment's first layer; ``fw`` is the input plus ``ffc``
 
     For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
     (= ``h``), ``qbk`` and ``qbf`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
@@ -271,6 +278,7 @@ class KernelArrays(NamedTuple):
     qbr: np.ndarray
     qbkr: np.ndarray
     ff: np.ndarray
+    fc: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -339,6 +347,8 @@ class ChainCosts:
         bkr: Sequence[int] | None = None,
         ff: Sequence[int] | None = None,
         ffs: Sequence[int] | None = None,
+        fc: Sequence[int] | None = None,
+        ffc: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
         if fs is not None:
@@ -355,6 +365,10 @@ class ChainCosts:
             values["ff"] = ff
         if ffs is not None:
             values["ffs"] = ffs
+        if fc is not None:
+            values["fc"] = fc
+        if ffc is not None:
+            values["ffc"] = ffc
         if br is not None:
             values["br"] = br
         if bkr is not None:
@@ -375,6 +389,10 @@ class ChainCosts:
         self._init("full", values, static, names, c, cb, unit)
         if ff is None:
             self._fields["ff"] = self._fields["f"]
+        if fc is None:
+            self._fields["fc"] = self._fields["f"]
+        if ffc is None:
+            self._fields["ffc"] = self._fields["ff"]
         if fs is None:  # default: a layer re-run to its end if it saves what it produces
             d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
             d.setflags(write=False)
@@ -540,7 +558,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "ff", "ffs", "g", "holds", "groot", "gh",
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "ff", "ffs", "fc", "ffc", "g", "holds", "groot", "gh",
                                                      "fpre", "fpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
@@ -554,7 +572,7 @@ class ChainCosts:
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
                        side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
                        fpre=layers.get("fpre"), fpost=layers.get("fpost"), br=layers.get("br"), bkr=layers.get("bkr"),
-                       ff=layers.get("ff"), ffs=layers.get("ffs"))
+                       ff=layers.get("ff"), ffs=layers.get("ffs"), fc=layers.get("fc"), ffc=layers.get("ffc"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
 
@@ -595,6 +613,8 @@ class ChainCosts:
                 and not (k == "bkr" and np.array_equal(v, self._fields["bk"]))
                 and not (k == "ff" and np.array_equal(v, self._fields["f"]))
                 and not (k == "ffs" and np.array_equal(v, self._fields["fs"]))
+                and not (k == "fc" and np.array_equal(v, self._fields["f"]))
+                and not (k == "ffc" and np.array_equal(v, self._fields["ff"]))
             },
         }
         if self.names is not None:
@@ -701,7 +721,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -717,7 +737,7 @@ class ChainCosts:
         # whose saves the checkpoint does not keep
         ff, ffs = self._fields["ff"], self._fields["ffs"]
         qf = a_prev * (1 - k_prev) + np.where(k_prev > 0, f, ff)
-        fw = a_prev + ff
+        fw = a_prev + self._fields["ffc"]  # (a checkpoint's first pass keeps none of the saved tensors)
         fs = self._fields["fs"]
         side_saves = np.zeros(n, dtype=bool)  # the layer saves a side tensor (an input, or an output it made)
         side_out_saved = np.zeros(n, dtype=bool)
@@ -740,7 +760,7 @@ class ChainCosts:
         qbr = qb - b + self._fields["br"]
         qbkr = qb - b + self._fields["bkr"]
         return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
-                               qbf, qbr, qbkr, ff)
+                               qbf, qbr, qbkr, ff, self._fields["fc"])
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

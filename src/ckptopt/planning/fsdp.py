@@ -155,7 +155,7 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
     L = d["layers"]
     L["f"] = [int(x) for x in np.maximum(f, moment) + rec]
     L["fs"] = [int(x) for x in np.maximum(fs, moment) + rec]
-    for k in ("ff", "ffs"):  # (the same with the input dying at its last use)
+    for k in ("ff", "ffs", "fc", "ffc"):  # (the same with the input dying at its last use, in a checkpoint)
         if L.get(k) is not None:
             L[k] = [int(x) for x in np.maximum(np.asarray(L[k], dtype=np.int64), moment) + rec]
     for k in ("b", "bk", "bf", "br", "bkr"):

@@ -16,7 +16,8 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
   and the layers before its first saving layer without the checkpoint (the frame
   goes with the segment's last saved tensor); in an unwrapped segment ``qbf`` for
   its first layer (nothing else holds its input once its backward has read it);
-* forward at i (wrapped segment): ``f[l]`` at ``i = l``, ``fw[i]`` after;
+* forward at i (wrapped segment): ``fc[l]`` at ``i = l``, ``fw[i]`` after (the checkpoint's first
+  pass keeps none of the saved tensors);
 * recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])`` for ``i``
   up to the last layer the recomputation runs (:func:`recompute_span`), which
   counts its transient only up to its last saved tensor (``fs``/``qs``);
@@ -174,7 +175,8 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         # an unwrapped segment's input that nothing holds (no save, no earlier segment) dies at its
         # last use in the first layer
         free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
-        v = (K.ff[l] if free else K.f[l]) + live_in + (fadd[l] if add else 0)
+        # (a checkpointed segment's first pass keeps none of the saves: fc)
+        v = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
@@ -233,7 +235,7 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         out[t] = NEG
     Pl = K.P[l]
     free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
-    out[0] = (K.ff[l] if free else K.f[l]) + live_in + fadd[l]
+    out[0] = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + fadd[l]
     trigger = r
     if unwrapped:
         for i in range(l + 1, r + 1):
@@ -330,7 +332,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one, one, one, one)
+                        one, one, one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

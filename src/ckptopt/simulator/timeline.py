@@ -58,7 +58,7 @@ def _forward(l: int, r: int, unwrapped: bool, K: KernelArrays, live_in: int,
              free: bool = False) -> list[tuple[str, int, int]]:
     """Forward events of segment [l, r], relative to its checkpoints; ``free``: nothing holds the
     input of an unwrapped segment's first layer (it dies at its last use there, ``ff``)."""
-    out = [("forward", l, int(K.ff[l] if free else K.f[l]) + live_in)]
+    out = [("forward", l, int(K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in)]
     for i in range(l + 1, r + 1):
         v = int(K.P[i] - K.P[l] + K.qf[i]) if unwrapped else int(K.fw[i]) + live_in  # (the call holds it)
         out.append(("forward", i, v))

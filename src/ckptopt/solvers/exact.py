@@ -179,7 +179,7 @@ def dp_quadratic(n, full, K):
                 c = hold[r]
                 d = Dc0[r]
             if l > 0 and c == 0:  # the input is live while the first layer runs
-                v = K.ck[l] + (K.ff[l] if r == n - 1 and K.sin[l] == 0 else K.f[l])
+                v = K.ck[l] + ((K.ff[l] if K.sin[l] == 0 else K.f[l]) if r == n - 1 else K.fc[l])
                 if v > d:
                     d = v
             rest = V[r + 1]

@@ -56,7 +56,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     bwd_j1 = NEG
     tail0 = NEG  # ... and after it (without: they run before the recomputation)
     tail1 = NEG
-    fwdw = K.f[l]  # wrapped forward, running max
+    fwdw = K.fc[l]  # wrapped forward, running max (a checkpoint's first pass keeps no saves)
     pm = K.f[l]  # running max of the live-forward term (recompute / unwrapped forward)
     # ... unwrapped with flag 0: its first layer's input dies at its last use unless it saves it
     pm0 = K.ff[l] if first and K.sin[l] == 0 else K.f[l]
@@ -149,7 +149,7 @@ def with_live_in(l, c, flag, d, K, unwrapped):
     """A segment that holds nothing of its input still has it live while its first layer runs (where
     it dies at its last use when the segment is unwrapped and the layer does not save it, ``ff``)."""
     if l > 0 and c == 0 and flag == 0:
-        v = K.ck[l] + (K.ff[l] if unwrapped and K.sin[l] == 0 else K.f[l])
+        v = K.ck[l] + ((K.ff[l] if K.sin[l] == 0 else K.f[l]) if unwrapped else K.fc[l])
         if v > d:
             return v
     return d

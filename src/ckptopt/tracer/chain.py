@@ -301,13 +301,17 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
         f0 = [l.costs.f for l in layers]
         ff = [l.costs.f if l.costs.ff is None else l.costs.ff for l in layers]
+        fc = [l.costs.f if l.costs.fc is None else l.costs.fc for l in layers]  # (a checkpoint's first pass)
+        ffc = [f if l.costs.ffc is None else l.costs.ffc for f, l in zip(ff, layers)]
         if hoisted and f0:
             f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
                         - sum(t.bytes for t in early))
             ff[0] = max(ff[0], f0[0])
+            fc[0] = max(fc[0], f0[0])
+            ffc[0] = max(ffc[0], f0[0])
         costs = ChainCosts(
             a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
-            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff,
+            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff, fc=fc, ffc=ffc,
             ffs=[l.costs.fs if l.costs.ffs is None else l.costs.ffs for l in layers],
             b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=_rg(layers, side, grad_root),
             bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],

@@ -50,6 +50,8 @@ class LayerMeasurement:
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
     ff: int | None = None  # f with the input dying at its last use inside the layer (held by nothing else)
     ffs: int | None = None  # fs likewise
+    fc: int | None = None  # f in a checkpoint's first pass: the saved tensors not kept (they die at last use)
+    ffc: int | None = None  # fc with the input dying at its last use inside the layer
     br: int | None = None  # b in a recomputed segment: saved tensors die when the node reading them returns
     bkr: int | None = None  # bk likewise
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
@@ -573,6 +575,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     gh = max(0, max(held) - max(live))
         finally:
             tracker.detach()
+        fc, ffc = _checkpoint_pass(module, example_input, input_requires_grad, leaf_input, side_inputs,
+                                   static_inputs, casts, fake, dev)
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
@@ -591,6 +595,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         fs=int(last_pack[0] - start) if last_pack is not None else 0,
         ff=int(forward_peak0 - start),
         ffs=int(last_pack[1] - start) if last_pack is not None else 0,
+        fc=fc,
+        ffc=ffc,
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
@@ -625,6 +631,60 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         static_in_saved=tuple(k is not None and k in saved for k in static_keys),
         static_in_release=tuple(static_release),
     )
+
+
+def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, input_requires_grad: bool,
+                     leaf_input: bool, side_inputs: list, static_inputs: list, casts: list, fake: bool,
+                     dev: Any) -> tuple[int, int]:
+    """``(fc, ffc)``: the layer's forward transient in a checkpoint's first pass, relative as ``f``.
+
+    Non-reentrant checkpoint's pack hook keeps none of the tensors the forward saves, so each dies
+    at its last use, where autograd elsewhere keeps it to the backward: a layer whose peak comes
+    after an interior saved tensor's last use (a normalization's input, a dead branch's) peaks
+    lower there. One forward under a pack hook that keeps nothing, the input held throughout
+    (``fc``: the checkpoint call holds its arguments, the segment's first layer) and as it went
+    (``ffc``: a later layer of the segment, whose input nothing holds). Side inputs are held
+    throughout, as the call holds them (docs/design.md §3).
+    """
+    x = None
+    if example_input is not None:
+        holder = [clone_layout(example_input)]
+        if input_requires_grad and leaf_input:
+            x = holder.pop().requires_grad_(True)
+        elif input_requires_grad:
+            x = _FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), holder, {})
+        else:
+            x = holder.pop()
+    sides = []
+    for t in side_inputs:
+        h = [clone_layout(t)]
+        sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, {})
+                     if t.requires_grad else h.pop())
+    input_bytes = x.untyped_storage().nbytes() if x is not None else 0
+    died: list[int] = []
+    tracker = StorageTracker(fake=fake, timeline=True)
+    if x is not None:
+        weakref.finalize(real_storage(x, fake), lambda: died.append(len(tracker.timeline))).atexit = False
+    tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
+    start = tracker.current_bytes
+    freeing = _list_input_copy(module) if x is not None and not leaf_input else None
+    try:
+        with tracker:
+            f_start = len(tracker.timeline)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda box: None):
+                if freeing is not None:
+                    inputs = [x, *sides, *static_inputs]
+                    x = None
+                    y = freeing(inputs)
+                    del inputs
+                else:
+                    y = module(*([x] if x is not None else []), *sides, *static_inputs)
+            end = len(tracker.timeline)
+            held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, died[0] if died else end)
+            del y
+    finally:
+        tracker.detach()
+    return int(held - start), int(free - start)
 
 
 def _key(t: torch.Tensor, fake: bool) -> Any:

@@ -145,6 +145,12 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
     next layer: a boundary nothing is computed for is no boundary."""
     group_of, readers = _crossing(groups, static, values, out_node)
     producing = {j for j, members in enumerate(groups) if any(n in readers for n in members)}
+    # a layer some later layer reads anything of, a static value included (the rotary tables a
+    # pass-through layer computes from the positions)
+    last = len(groups) - 1
+    read_later = {j for j, members in enumerate(groups)
+                  if any(group_of.get(u, last if u is out_node else None) not in (None, j)
+                         for n in members for u in n.users)}
     crossing: list[set[fx.Node]] = [set() for _ in range(len(groups) + 1)]
     for n, later in readers.items():
         for b in range(group_of[n] + 1, max(later) + 1):
@@ -153,8 +159,13 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
     carry: list[fx.Node] = []
     for j, members in enumerate(groups):
         # kept: a layer that one tensor enters and leaves (only it crossing either boundary), the
-        # single-tensor chain's pass-through layer (dead ops), which layer_streams hands it through
-        through = j > 0 and len(crossing[j]) == 1 and crossing[j] == crossing[j + 1] and not carry
+        # single-tensor chain's pass-through layer, which layer_streams hands it through, when it
+        # computes something a later layer reads (a static value) or no tensor at all (an export
+        # graph's metadata assertions). One whose tensors nothing reads (dead ops) joins the next
+        # layer: kept, its output was its input, one tensor counted twice where the layer before
+        # keeps it and the next saves it (up to 2,952 B over in the issue-19 fuzz, tests/test_fuzz.py)
+        dead_ops = j not in read_later and any(tensor_leaves(values.get(n)) for n in members)
+        through = j > 0 and len(crossing[j]) == 1 and crossing[j] == crossing[j + 1] and not carry and not dead_ops
         if through:  # ... and it is the chain tensor up to the next layer that computes something
             (n,) = crossing[j]
             q = next((k for k in range(j + 1, len(groups)) if k in producing), len(groups) - 1)
