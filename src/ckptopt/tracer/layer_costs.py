@@ -575,10 +575,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     gh = max(0, max(held) - max(live))
         finally:
             tracker.detach()
-        # (a layer that saves nothing but its output and static tensors runs the same in a checkpoint)
-        interior = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {y_ptr}
+        # (a layer whose forward packs nothing runs the same in a checkpoint)
         fc, ffc = (_checkpoint_pass(module, example_input, input_requires_grad, leaf_input, side_inputs,
-                                    static_inputs, casts, fake, dev) if interior else (None, None))
+                                    static_inputs, casts, fake, dev) if packs else (None, None))
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
