@@ -284,28 +284,13 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
         if out_grad_layout is not None and main_output:
             record["layout"] = tuple(out_grad_layout)
-        x = None
-        if example_input is not None:
-            holder = [clone_layout(example_input)]
-            if input_requires_grad and leaf_input:
-                x = holder.pop().requires_grad_(True)
-            elif input_requires_grad:
-                anchor = torch.empty(0, device=dev, requires_grad=True)
-                x = _FreshInput.apply(anchor, holder, record)
-            else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
-                x = holder.pop()
+        # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
+        side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
+        x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, record,
+                                 side_records)
         x_ptr = storage_key(x.untyped_storage()) if x is not None else None
         input_bytes = x.untyped_storage().nbytes() if x is not None else 0
         x_storage = x.untyped_storage() if x is not None else None
-        # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
-        side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
-        sides = []
-        for t, rec_t in zip(side_inputs, side_records):
-            h = [clone_layout(t)]
-            if t.requires_grad:
-                sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t))
-            else:
-                sides.append(h.pop())
         side_ptrs = [_key(t, fake) for t in sides]
 
         # Every pack event: (a weak reference to what autograd keeps, storage key or None,
@@ -402,13 +387,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # forward
                 f_start = len(tracker.timeline)
                 with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                    inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
                     if freeing is not None:
-                        inputs = [x, *sides, *static_inputs]
                         x = None
-                        y = freeing(inputs)
-                        del inputs
-                    else:
-                        y = module(*([x] if x is not None else []), *sides, *static_inputs)
+                    y = _call_layer(module, freeing, inputs)
+                    del inputs
                 f_end = len(tracker.timeline)
                 x_fwd_death = deaths[x_ptr][0] if x_ptr in deaths else f_end
                 forward_peak, forward_peak0 = _forward_peaks(tracker.timeline, f_start, f_end, start, input_bytes,
@@ -634,6 +617,34 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     )
 
 
+def _fresh_inputs(example_input: torch.Tensor | None, input_requires_grad: bool, leaf_input: bool,
+                  side_inputs: list, dev: Any, record: dict, side_records: list[dict]) -> tuple[Any, list]:
+    """The layer's chain input and side inputs, fresh copies laid out as in the model, held by nothing
+    but the caller: requiring grad as in the model (through :class:`_FreshInput`, which tells
+    ``record`` about the gradient it receives; a leaf where the model input is one)."""
+    x = None
+    if example_input is not None:
+        holder = [clone_layout(example_input)]
+        if input_requires_grad and leaf_input:
+            x = holder.pop().requires_grad_(True)
+        elif input_requires_grad:
+            x = _FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), holder, record)
+        else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
+            x = holder.pop()
+    sides = []
+    for t, rec_t in zip(side_inputs, side_records):
+        h = [clone_layout(t)]
+        sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t)
+                     if t.requires_grad else h.pop())
+    return x, sides
+
+
+def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> Any:
+    """Run the layer on ``inputs``; ``freeing`` (:func:`_list_input_copy`) empties the list on entry, so
+    an input the caller no longer holds dies at its last use inside the layer."""
+    return freeing(inputs) if freeing is not None else module(*inputs)
+
+
 def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, input_requires_grad: bool,
                      leaf_input: bool, side_inputs: list, static_inputs: list, casts: list, fake: bool,
                      dev: Any) -> tuple[int, int]:
@@ -647,20 +658,8 @@ def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, inpu
     (``ffc``: a later layer of the segment, whose input nothing holds). Side inputs are held
     throughout, as the call holds them (docs/design.md §3).
     """
-    x = None
-    if example_input is not None:
-        holder = [clone_layout(example_input)]
-        if input_requires_grad and leaf_input:
-            x = holder.pop().requires_grad_(True)
-        elif input_requires_grad:
-            x = _FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), holder, {})
-        else:
-            x = holder.pop()
-    sides = []
-    for t in side_inputs:
-        h = [clone_layout(t)]
-        sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, {})
-                     if t.requires_grad else h.pop())
+    x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, {},
+                             [{} for _ in side_inputs])
     input_bytes = x.untyped_storage().nbytes() if x is not None else 0
     died: list[int] = []
     tracker = StorageTracker(fake=fake, timeline=True)
@@ -673,13 +672,11 @@ def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, inpu
         with tracker:
             f_start = len(tracker.timeline)
             with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda box: None):
+                inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
                 if freeing is not None:
-                    inputs = [x, *sides, *static_inputs]
                     x = None
-                    y = freeing(inputs)
-                    del inputs
-                else:
-                    y = module(*([x] if x is not None else []), *sides, *static_inputs)
+                y = _call_layer(module, freeing, inputs)
+                del inputs
             end = len(tracker.timeline)
             held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, died[0] if died else end)
             del y
