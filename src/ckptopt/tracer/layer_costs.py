@@ -559,7 +559,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         finally:
             tracker.detach()
         # (a layer whose forward packs nothing runs the same in a checkpoint)
-        fc, ffc = (_checkpoint_pass(module, example_input, input_requires_grad, leaf_input, side_inputs,
+        fc, ffc = (_checkpoint_pass(module, freeing, example_input, input_requires_grad, leaf_input, side_inputs,
                                     static_inputs, casts, fake, dev) if packs else (None, None))
 
     sout = y_ptr is not None and y_ptr in saved
@@ -645,9 +645,9 @@ def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> A
     return freeing(inputs) if freeing is not None else module(*inputs)
 
 
-def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, input_requires_grad: bool,
-                     leaf_input: bool, side_inputs: list, static_inputs: list, casts: list, fake: bool,
-                     dev: Any) -> tuple[int, int]:
+def _checkpoint_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
+                     input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
+                     casts: list, fake: bool, dev: Any) -> tuple[int, int]:
     """``(fc, ffc)``: the layer's forward transient in a checkpoint's first pass, relative as ``f``.
 
     Non-reentrant checkpoint's pack hook keeps none of the tensors the forward saves, so each dies
@@ -656,7 +656,8 @@ def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, inpu
     lower there. One forward under a pack hook that keeps nothing, the input held throughout
     (``fc``: the checkpoint call holds its arguments, the segment's first layer) and as it went
     (``ffc``: a later layer of the segment, whose input nothing holds). Side inputs are held
-    throughout, as the call holds them (docs/design.md §3).
+    throughout, as the call holds them (docs/design.md §3). ``freeing``: the measurement's
+    :func:`_list_input_copy` of the module (None where the input is a leaf or the module no graph).
     """
     x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, {},
                              [{} for _ in side_inputs])
@@ -667,7 +668,6 @@ def _checkpoint_pass(module: nn.Module, example_input: torch.Tensor | None, inpu
         weakref.finalize(real_storage(x, fake), lambda: died.append(len(tracker.timeline))).atexit = False
     tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
     start = tracker.current_bytes
-    freeing = _list_input_copy(module) if x is not None and not leaf_input else None
     try:
         with tracker:
             f_start = len(tracker.timeline)
