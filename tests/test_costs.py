@@ -135,3 +135,23 @@ def test_kernel_arrays_backward_term_is_exactly_additive():
     P, qb, *_ = c.kernel_arrays
     assert list(P) == [0, 0, 25]  # h0 = 0 (x0 not saved), h1 = m1 + a1 = 25
     assert list(qb) == [0 + 10, 5 + 20 + 20]
+
+
+def test_checkpoint_pass_fields_default_round_trip_and_price_a_checkpointed_forward():
+    # fc/ffc: f/ff in a checkpoint's first pass (design §3). Default f/ff; kept through JSON only
+    # where they differ; the forward term of a checkpointed segment's first layer reads fc
+    from ckptopt import simulate
+
+    base = dict(a=[10, 10, 10], p=[0, 0, 0], sin=[0, 1, 1], sout=[0, 0, 0], m=[0, 0, 0], f=[10, 100, 10],
+                b=[10, 10, 10])
+    plain = ChainCosts(**base)
+    assert list(plain.fc) == list(plain.f) and list(plain.ffc) == list(plain.ff)
+    assert "fc" not in plain.to_dict()["layers"]
+    low = ChainCosts(**base, fc=[10, 40, 10], ffc=[10, 40, 10])
+    again = ChainCosts.from_json(low.to_json())
+    assert list(again.fc) == [10, 40, 10] and list(again.ffc) == [10, 40, 10]
+    # plan (1, 2): layer 1 is a checkpointed segment whose forward (input + f) is the peak
+    hi, lo = simulate(plain, (1, 2)), simulate(low, (1, 2))
+    assert (hi.phase, hi.layer) == ("forward", 1)
+    assert hi.peak_bytes - lo.peak_bytes == 60
+    assert simulate(plain, ()).peak_bytes == simulate(low, ()).peak_bytes  # unwrapped: f, as before
