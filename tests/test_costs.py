@@ -155,3 +155,12 @@ def test_checkpoint_pass_fields_default_round_trip_and_price_a_checkpointed_forw
     assert (hi.phase, hi.layer) == ("forward", 1)
     assert hi.peak_bytes - lo.peak_bytes == 60
     assert simulate(plain, ()).peak_bytes == simulate(low, ()).peak_bytes  # unwrapped: f, as before
+
+
+def test_a_side_tensors_last_gain_round_trips_and_must_not_be_positive():
+    base = dict(a=[10, 10, 10], p=[0, 0, 0], sin=[0, 0, 0], sout=[0, 0, 0], m=[0, 0, 0], f=[10, 10, 10],
+                b=[10, 10, 10])
+    c = ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain=-8)])
+    assert ChainCosts.from_json(c.to_json()).side[0].last_gain == -8
+    with pytest.raises(InvalidCosts, match="last_gain 4 is not an integer at most 0"):
+        ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain=4)])

@@ -963,3 +963,25 @@ def test_regression_dead_ops_beside_a_tensor_passed_on_join_the_next_layer():
     tm = trace(model, (x,), max_crossing=1)
     assert all(layer.output_node != layer.input_node for layer in tm.layers)
     _assert_exact_by_phase(model, x, tm, _every_plan(tm.n))
+
+
+# Issue-19 fuzz (2026-11-26, fourth session's run), seed 481963592: a side tensor (the first
+# convolution's output) read last by a layer that takes no chain input (a ReLU of it, a convolution
+# of the model input, a concatenation, a BatchNorm) and does not save it. Where nothing else holds it
+# (an unwrapped segment, a recomputation) it dies at the ReLU, before the layer's BatchNorm peaks; it
+# was counted to the layer's end, 2,304 B over (15%) on every plan. SideTensor.last_gain (design §4).
+REGRESSION_SIDE_DIES_INSIDE_ITS_LAST_READER = Spec(family='conv', dtype='float64', batch=3, shape=(1, 4, 4), nodes=(
+    Node(op='conv1', inputs=(0,), width=6, inplace=''), Node(op='cat', inputs=(0, 1), width=0, inplace=''),
+    Node(op='relu_module_plain', inputs=(1,), width=0, inplace=''), Node(op='conv1', inputs=(0,), width=3, inplace=''),
+    Node(op='cat', inputs=(3, 0), width=0, inplace=''), Node(op='bn', inputs=(5,), width=0, inplace='mul_'),
+    Node(op='cat', inputs=(4, 2), width=0, inplace=''), Node(op='maxpool', inputs=(7,), width=0, inplace='')),
+    classes=4, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_a_side_tensor_dies_inside_its_last_reader_where_nothing_holds_it():
+    model, x = build(REGRESSION_SIDE_DIES_INSIDE_ITS_LAST_READER, seed=481963592)
+    model.train()
+    tm = trace(model, (x,))
+    assert any(t.last_gain < 0 for t in tm.costs.side)
+    # no checkpointing (the forward peaks in that layer), a recomputation of it, and others
+    _assert_exact_by_phase(model, x, tm, [(), (1, 2), (3,), (5,), (3, 4, 6), (4, 7), (1, 4, 5, 6, 7)])

@@ -67,6 +67,11 @@ class SideTensor:
         The consumers whose backward adds to its gradient (a consumer may only read its size or
         dtype); empty: every consumer. Its gradient lives from the backward of the last of them
         to its producer's, and a view lasts until the next of them sums its contribution in.
+    last_gain : int
+        At most 0: what its last consumer's forward peak changes by when nothing else holds it there
+        (no save, no checkpoint call, no earlier segment): it dies at its last use inside that layer,
+        which runs on after it (a concatenation that does not save it, then a BatchNorm). 0: unknown,
+        or no change.
     """
 
     bytes: int
@@ -79,6 +84,7 @@ class SideTensor:
     saved_pre: tuple[int, ...] = ()
     saved_post: tuple[int, ...] = ()
     grad_by: tuple[int, ...] = ()
+    last_gain: int = 0
 
     @property
     def grad_bytes(self) -> int:
@@ -124,6 +130,8 @@ class SideTensor:
         if self.saved_pre:
             out["saved_pre"] = [int(x) for x in self.saved_pre]
             out["saved_post"] = [int(x) for x in self.saved_post]
+        if self.last_gain:
+            out["last_gain"] = int(self.last_gain)
         return out
 
 
@@ -137,7 +145,8 @@ class SideArrays(NamedTuple):
     increasing order (bit k of a kernel's state mask is ``blist[bptr[l] + k]``); ``bgrad[i]``:
     side gradients live through layer i's backward besides what it creates (pending ones, and
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
-    triggers a recomputation (beyond its own output gradients, which its ``rg`` counts).
+    triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
+    ``sdie``: its ``last_gain``.
     """
 
     sa: np.ndarray
@@ -161,6 +170,7 @@ class SideArrays(NamedTuple):
     hasrel: np.ndarray
     fpre: np.ndarray
     fpost: np.ndarray
+    sdie: np.ndarray
 
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
@@ -229,7 +239,7 @@ class SideArrays(NamedTuple):
         fq = list(fpost) if have else [0] * n
         hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
         arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
-                  svptr, svu, svpre, svpost, hasrel, fp, fq]
+                  svptr, svu, svpre, svpost, hasrel, fp, fq, [t.last_gain for t in side]]
         out = []
         for x in arrays:
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -249,14 +259,14 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
-                                "saved_pre", "saved_post", "grad_by"}
+                                "saved_pre", "saved_post", "grad_by", "last_gain"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
                 t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
                                t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
                                tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
-                               tuple(t.get("grad_by", ())))
+                               tuple(t.get("grad_by", ())), t.get("last_gain", 0))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -295,8 +305,12 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         gby = tuple(sorted(set(int(u) for u in t.grad_by)))
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
+        gain = t.last_gain
+        if isinstance(gain, bool) or not isinstance(gain, (int, np.integer)) or gain > 0:
+            raise InvalidCosts(f"{where}: last_gain {gain!r} is not an integer at most 0 (what its last consumer's "
+                               "forward peak changes by when it dies there)", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
-                              pre, post, gby if gby != tuple(int(u) for u in cons) else ()))
+                              pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain)))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

@@ -6,7 +6,10 @@ consumer ``smax``), the holding rule:
 
 * **forward**: the copy the forward made lives from its producer's forward to its last
   consumer's (to the end of a checkpointed consumer segment, whose call holds its
-  arguments), and beyond while anything holds it;
+  arguments), and beyond while anything holds it; where nothing does (an unwrapped segment,
+  a recomputation), it dies at its last use inside its last consumer, whose forward term then
+  changes by ``last_gain`` (``sdie``, at most 0; the first pass of a checkpointed segment that
+  makes it keeps the term with it, an over-prediction);
 * **holders**: a checkpointed segment that reads it and saves anything (its frame, let go
   with the backward of the segment's first saving layer); a layer of an unwrapped segment
   that saves it (let go with its backward). The producer's own checkpointed segment holds
@@ -151,6 +154,8 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
         for i in range(l, r + 1):
             if i <= fend or hold:
                 fadd[i] += sa
+        if unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
+            fadd[smax] += SD.sdie[j]
         if hold:
             for i in range(l, e + 1):
                 radd[i] += sa
@@ -174,6 +179,8 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                 for i in range(p + 1, r + 1):
                     if i <= fend or hold:
                         fadd[i] += sa
+                if not hold and smax <= r:  # (it dies inside its last reader)
+                    fadd[smax] += SD.sdie[j]
                 if hold:
                     for i in range(rho + 1, r + 1):
                         badd[i] += sa
@@ -190,6 +197,8 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                         rend = e
                     for i in range(p + 1, rend + 1):
                         radd[i] += sa
+                    if rend == smax:  # (it dies inside its last reader, before its last pack or after)
+                        radd[smax] += SD.sdie[j]
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa

@@ -9,6 +9,7 @@ storage tracker (:class:`ckptopt.tracker.StorageTracker`) and a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ class LayerMeasurement:
     gin_layout: tuple | None = None  # (stride, offset) of the input gradient when it is a slice of that storage
     holds: bool = False
     side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
+    side_in_last_gain: tuple[int, ...] = ()  # per side input: the forward peak's change when it dies at its last use
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
     side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
@@ -82,7 +84,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   grads_exist: Iterable[torch.Tensor] = (), keep_input: bool = False,
                   leaf_input: bool = False, static_inputs: Iterable[torch.Tensor] = (),
                   side_inputs: Iterable[torch.Tensor] = (), side_pending: Iterable[bool] = (),
-                  side_pending_held: Iterable[bool] = (),
+                  side_pending_held: Iterable[bool] = (), side_last: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
                   out_grad_layout: tuple | None = None,
@@ -142,6 +144,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         ``side_pending_held``: that gradient's storage outlives the sum (another tensor's gradient
         views it too): held through the backward.
         ``example_input`` may then be None: the layer reads no chain tensor.
+        ``side_last``: the layer is that input's last reader; where it does not save it and it is the
+        only such input, the forward runs once more with it dying at its last use inside the layer
+        (``side_in_last_gain``: what the forward peak changes by, at most 0).
     side_outputs : int, default 0
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
         later layers read. Their gradients are injected with the chain output's and left
@@ -247,6 +252,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     """
     check_module(module, "measure_layer")
     side_inputs = list(side_inputs)
+    side_last = list(side_last) or [False] * len(side_inputs)
     side_pending = list(side_pending) or [False] * len(side_inputs)
     side_pending_held = list(side_pending_held) or [False] * len(side_inputs)
     plain = example_input is not None and not side_inputs and not side_outputs and main_output
@@ -381,7 +387,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         # last use inside the layer, as it does in the model where nothing else holds it (ff, ffs);
         # added back from its death it gives f and fs (the input held, as by a save of the layer
         # before it, or by a checkpoint)
-        freeing = _list_input_copy(module) if x is not None and not leaf_input else None
+        freeing = _list_input_copy(module) if not leaf_input else None
         try:
             with tracker:
                 # forward
@@ -559,8 +565,24 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         finally:
             tracker.detach()
         # (a layer whose forward packs nothing runs the same in a checkpoint)
-        fc, ffc = (_checkpoint_pass(module, freeing, example_input, input_requires_grad, leaf_input, side_inputs,
-                                    static_inputs, casts, fake, dev) if packs else (None, None))
+        run = (module, freeing, example_input, input_requires_grad, leaf_input, side_inputs, static_inputs, casts,
+               fake, dev)
+        fc, ffc = _forward_pass(*run, keep_saves=False)[:2] if packs else (None, None)
+        # a side input this layer reads last and does not save dies at its last use inside it where
+        # nothing else holds it (the plan decides): what the forward peak gains then, for one such input
+        last_gain = [0] * len(side_inputs)
+        dying = [k for k, last in enumerate(side_last) if last and side_ptrs[k] not in saved]
+        if len(dying) == 1 and freeing is not None:
+            (k,) = dying
+            held, free, pheld, pfree = _forward_pass(*run, keep_saves=True, drop_side=k)
+            # (one figure for the forward with the input held or not, and for a recomputation that
+            # stops at the last pack: the largest of the changes, never below what any of them saw)
+            ref = [forward_peak - start, forward_peak0 - start]
+            new = [held, free]
+            if packs:
+                ref += [last_pack[0] - start, last_pack[1] - start]
+                new += [pheld, pfree]
+            last_gain[k] = min(0, max(v - w for v, w in zip(new, ref)))
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
@@ -581,6 +603,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         ffs=int(last_pack[1] - start) if last_pack is not None else 0,
         fc=fc,
         ffc=ffc,
+        side_in_last_gain=tuple(int(g) for g in last_gain),
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
@@ -645,18 +668,20 @@ def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> A
     return freeing(inputs) if freeing is not None else module(*inputs)
 
 
-def _checkpoint_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
-                     input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
-                     casts: list, fake: bool, dev: Any) -> tuple[int, int]:
-    """``(fc, ffc)``: the layer's forward transient in a checkpoint's first pass, relative as ``f``.
+def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
+                  input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
+                  casts: list, fake: bool, dev: Any, keep_saves: bool,
+                  drop_side: int | None = None) -> tuple[int, int, int, int]:
+    """``(with the input held, as it went)``: the layer's forward transient, relative as ``f``, in one more
+    forward on fresh inputs; then the same up to the forward's last pack (as ``fs``, ``ffs``; 0 if none).
 
-    Non-reentrant checkpoint's pack hook keeps none of the tensors the forward saves, so each dies
-    at its last use, where autograd elsewhere keeps it to the backward: a layer whose peak comes
-    after an interior saved tensor's last use (a normalization's input, a dead branch's) peaks
-    lower there. One forward under a pack hook that keeps nothing, the input held throughout
-    (``fc``: the checkpoint call holds its arguments, the segment's first layer) and as it went
-    (``ffc``: a later layer of the segment, whose input nothing holds). Side inputs are held
-    throughout, as the call holds them (docs/design.md §3). ``freeing``: the measurement's
+    ``keep_saves`` False: under a pack hook that keeps nothing, as a checkpoint's first pass runs
+    (``fc``, ``ffc``): non-reentrant checkpoint keeps none of the tensors the forward saves, so each
+    dies at its last use, where autograd elsewhere keeps it to the backward (a normalization's
+    input, a dead branch's). ``drop_side``: side input ``k`` held by nothing but the call, so that it
+    dies at its last use inside the layer, as it does in the model where this layer reads it last
+    and nothing holds it (no save, no checkpoint). The other side inputs are held throughout, as
+    the call holds them (docs/design.md §3-4). ``freeing``: the measurement's
     :func:`_list_input_copy` of the module (None where the input is a leaf or the module no graph).
     """
     x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, {},
@@ -668,21 +693,34 @@ def _checkpoint_pass(module: nn.Module, freeing: nn.Module | None, example_input
         weakref.finalize(real_storage(x, fake), lambda: died.append(len(tracker.timeline))).atexit = False
     tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
     start = tracker.current_bytes
+    packed: list[int] = []  # the timeline's length at each pack
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        packed.append(len(tracker.timeline))
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep if keep_saves else (lambda t: None), lambda t: t)
     try:
         with tracker:
             f_start = len(tracker.timeline)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda box: None):
+            with hooks:
                 inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
                 if freeing is not None:
                     x = None
+                    if drop_side is not None:
+                        sides[drop_side] = None
                 y = _call_layer(module, freeing, inputs)
                 del inputs
             end = len(tracker.timeline)
-            held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, died[0] if died else end)
+            gone = died[0] if died else end
+            held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, gone)
+            # (and up to the last pack: where a recomputation ending in this layer stops)
+            pheld, pfree = (_forward_peaks(tracker.timeline, f_start, packed[-1], start, input_bytes, gone)
+                            if packed else (start, start))
             del y
     finally:
         tracker.detach()
-    return int(held - start), int(free - start)
+    return int(held - start), int(free - start), int(pheld - start), int(pfree - start)
 
 
 def _key(t: torch.Tensor, fake: bool) -> Any:

@@ -209,6 +209,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
             kw.update(side_inputs=[values[n] for n in b.side_in],
                       side_pending=(pending if pending is not None else
                                     [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
+                      side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, **kw)
@@ -231,9 +232,14 @@ class _Found:
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
     together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     # (saving layer, side tensors it lets go at one moment: the same split)
+    last_gain: dict[int, int] = dataclasses.field(default_factory=dict)
+    # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         split = []
+        for t, gain in zip(io.side_in, m.side_in_last_gain):
+            if gain:
+                self.last_gain[t] = gain
         for t, saved, rel in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in)):
             if saved:
                 self.saved[t].add(j)
@@ -289,7 +295,8 @@ class _Found:
                          if savers and all(r is not None for r in rel) else ((), ()))
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
-                                   gby if gby != tuple(streams.consumers[t]) else ()))
+                                   gby if gby != tuple(streams.consumers[t]) else (),
+                                   self.last_gain.get(t, 0)))
         return side
 
 
