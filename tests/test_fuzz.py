@@ -981,3 +981,46 @@ def test_regression_a_side_tensor_dies_inside_its_last_reader_where_nothing_hold
     assert any(t.last_gain < 0 for t in tm.costs.side)
     # no checkpointing (the forward peaks in that layer), a recomputation of it, and others
     _assert_exact_by_phase(model, x, tm, [(), (1, 2), (3,), (5,), (3, 4, 6), (4, 7), (1, 4, 5, 6, 7)])
+
+
+# Issue-19 fuzz (2026-11-26 run on 76ebec4), seed 274652979: the chain tensor between the first two
+# layers (a ReLU's output) is read by the second only in a ReLU nothing uses; the gradient reaches
+# the first layer through the side tensor (a linear layer's output) the second layer's sigmoid reads.
+# The first layer was measured with a gradient injected for its chain output, summed in its backward
+# with the one the side tensor brings, and g counted it at the boundary: 280 B over (9%) on every
+# plan that recomputes it. It is now measured with none, and its g is 0.
+REGRESSION_NO_GRADIENT_REACHES_THE_CHAIN_OUTPUT = Spec(family='mlp', dtype='bfloat16', batch=6, shape=(24,), nodes=(
+    Node(op='silu', inputs=(0,), width=0, inplace=''), Node(op='relu', inputs=(1,), width=0, inplace=''),
+    Node(op='linear', inputs=(2,), width=11, inplace='relu_module'), Node(op='mul', inputs=(1, 0), width=0, inplace=''),
+    Node(op='gelu', inputs=(4,), width=0, inplace=''), Node(op='cat', inputs=(5, 2), width=0, inplace='relu_'),
+    Node(op='relu_module_plain', inputs=(2,), width=0, inplace=''), Node(op='sigmoid', inputs=(3,), width=0, inplace='')),
+    classes=1, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_a_chain_output_no_gradient_reaches_has_none():
+    model, x = build(REGRESSION_NO_GRADIENT_REACHES_THE_CHAIN_OUTPUT, seed=274652979)
+    model.train()
+    tm = trace(model, (x,))
+    assert any(g == 0 < a for g, a in zip(tm.costs.g, tm.costs.a))
+    _assert_exact_by_phase(model, x, tm, [(), (1,), (1, 2), (1, 3), (1, 2, 3)])
+
+
+# Issue-19 fuzz (run on b56de01), seed 310200523: the first layer's ops are dead but for an unsqueeze
+# of the model input, which the max-pool of the next layer saves. That layer handed on a view of the
+# input, and its output (a boundary, and the pool's saved input) counted the input's storage, which
+# the static bytes count already: 152 B over (12%) on every plan that cuts after it. A layer that
+# hands on only views of storages made before it now joins the next (merge_outputless).
+REGRESSION_A_LAYER_HANDS_ON_A_VIEW_OF_THE_INPUT = Spec(family='mlp', dtype='float32', batch=2, shape=(20,), nodes=(
+    Node(op='gelu', inputs=(0,), width=0, inplace=''), Node(op='add', inputs=(1, 0), width=0, inplace=''),
+    Node(op='bn', inputs=(2,), width=0, inplace=''), Node(op='relu', inputs=(3,), width=0, inplace=''),
+    Node(op='relu_module_plain', inputs=(4,), width=0, inplace=''),
+    Node(op='relu_module_plain', inputs=(5,), width=0, inplace=''), Node(op='pool1d', inputs=(0,), width=0, inplace='')),
+    classes=2, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_a_layer_that_hands_on_only_a_view_of_the_input_joins_the_next():
+    model, x = build(REGRESSION_A_LAYER_HANDS_ON_A_VIEW_OF_THE_INPUT, seed=310200523)
+    model.train()
+    tm = trace(model, (x,))
+    assert not any(layer.output_node.startswith("unsqueeze") for layer in tm.layers)
+    _assert_exact_by_phase(model, x, tm, [(), (1,), (1, 2)])

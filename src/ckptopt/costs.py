@@ -50,7 +50,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
            gradient), which stays alive whole, or the output is a view of a larger storage
-           (one chunk of a projection, whose gradient is the chunk's size). Default: ``a[i]``
+           (one chunk of a projection, whose gradient is the chunk's size), or 0 when no
+           gradient reaches the output (layer ``i+1`` reads it only in ops no output depends
+           on; its side outputs carry the gradient). Default: ``a[i]``
 ``groot[i]`` (optional) the layer whose output gradient's storage holds layer ``i``'s
            (``i``, or a later layer that handed it a view): a side tensor's gradient that
            views the same storage is counted once. Default: ``i``
@@ -412,14 +414,6 @@ class ChainCosts:
             self._fields["bkr"] = self._fields["bk"]
         if g is None:
             self._fields["g"] = self._fields["a"]
-        small = np.flatnonzero((self._fields["g"] == 0) & (self._fields["a"] > 0))
-        if small.size:
-            i = int(small[0])
-            raise InvalidCosts(
-                f"field 'g' index {i}: 0 bytes is no gradient of an output of {int(self._fields['a'][i])} bytes; "
-                "g is the storage the output gradient lives in: the output's size, less when the output is a view "
-                "of a larger storage (a chunk), more when it is a view of a larger gradient (a concatenation's "
-                "slice); leave g out when gradients are plain tensors", field="g", index=i)
         for flag, given in (("dead", dead), ("holds", holds)):
             if given is None:
                 z = np.zeros(self.n, dtype=np.int64)

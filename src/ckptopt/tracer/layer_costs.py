@@ -87,7 +87,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   side_pending_held: Iterable[bool] = (), side_last: Iterable[bool] = (),
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
-                  out_grad_layout: tuple | None = None,
+                  out_grad_layout: tuple | None = None, main_output_grad: bool = True,
                   like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
@@ -159,6 +159,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     out_grad_layout : (nbytes, stride, offset), optional
         The chain output's gradient is a view of a storage of ``nbytes`` with this layout (a later
         concatenation's slice): handed out so, as an op that needs it contiguous copies it.
+    main_output_grad : bool, default True
+        False when no gradient reaches the chain output in the model (the next layer reads it
+        only in ops no output depends on): none is injected for it, and ``ga`` is 0.
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -290,6 +293,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
         if out_grad_layout is not None and main_output:
             record["layout"] = tuple(out_grad_layout)
+        if not main_output_grad:
+            record["no_grad"] = True  # (InjectGrad hands the chain output none)
         # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
         side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
         x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, record,
@@ -455,7 +460,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     for members, nbytes in shared_out_grads:
                         ins = [k[1] for k in members if isinstance(k, tuple) and side_pending[k[1]]
                                and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
-                        members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad]
+                        members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad
+                                   and not (k == 0 and y is not None and not main_output_grad)]
                         lone = y is None and len(outs_all) == 1  # (the layer's only output: g is its storage)
                         if not members or (len(members) + len(ins) < 2 and not lone and int(nbytes) <= (
                                 outs_all[members[0]].numel() * outs_all[members[0]].element_size())):
@@ -472,7 +478,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         grouped |= set(members)
                         pending_in_group |= set(ins)
                     for k in range(len(outs_all)):
-                        if k in grouped or not outs_all[k].requires_grad:
+                        if k in grouped or not outs_all[k].requires_grad or (
+                                k == 0 and y is not None and not main_output_grad):
                             continue
                         rec = record if y is not None and k == 0 else {}
                         if rec is not record:
@@ -513,7 +520,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     torch.autograd.backward(roots, [torch.empty(0, device=dev) if r.dim() else None for r in roots])
                 out_grads = record.get("grad_bytes", 0)
                 # the output's own gradient (a view output's is the view's size, not its storage's)
-                ga = min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else a
+                ga = (min(a, record["grad_bytes"]) if y_ptr is not None and record.get("grad_bytes") else
+                      a if main_output_grad else 0)
                 out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
                 only = record.get("only_side_out", {})
                 if y_ptr is None and only.get("storage"):

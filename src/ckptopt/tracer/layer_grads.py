@@ -63,6 +63,8 @@ class InjectGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.record.get("no_grad"):  # (no gradient reaches this output in the model)
+            return None, None
         g = _layout_grad(ctx.template, ctx.device, ctx.record.get("layout"))
         if g is None:  # (contiguous, whatever the output's layout: as the next layer's backward hands
             # it out unless that one records another layout, docs/design.md §3)

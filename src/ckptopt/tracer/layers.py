@@ -157,9 +157,10 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             # handed out as its backward makes it (a concatenation's slice), not summed out of place
             pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
             read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
-            if shared or any(held) or layout or pending != read_later:
+            out_grad = _chain_output_gets_a_gradient(j, built, layers, values)
+            if shared or any(held) or layout or pending != read_later or not out_grad:
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending)
+                             shared, held, layout, pending, out_grad)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -188,7 +189,8 @@ class _Built:
 
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
-             layout: tuple | None = None, pending: list[bool] | None = None) -> LayerMeasurement:
+             layout: tuple | None = None, pending: list[bool] | None = None,
+             out_grad: bool = True) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -212,7 +214,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                       side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared)
-        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, **kw)
+        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad, **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -496,6 +498,18 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             if nbytes > side[t].bytes or len(keys) == 1:  # (a lone output: a view of the chain gradient,
                 out.append((tuple(members), nbytes))      # which g counts, as the chain output's is)
     return tuple(out)
+
+
+def _chain_output_gets_a_gradient(j: int, built: list, layers: list[Layer], values: dict) -> bool:
+    """False when layer ``j``'s chain output requires grad but the next layer's backward hands it none
+    (it reads it only in ops no output depends on: a dead op beside the ops that read a side tensor).
+    Measured with an injected gradient, that layer's backward summed it with the gradient its side
+    outputs bring, and ``g`` counted a gradient the model never makes."""
+    if j + 1 >= len(built) or j + 1 >= len(layers) or not layers[j].costs.a:
+        return True
+    x_node = built[j + 1].x_node
+    x = values.get(x_node) if x_node is not None else None
+    return not (isinstance(x, torch.Tensor) and x.requires_grad and layers[j + 1].costs.gin is None)
 
 
 def _out_grad_layout(j: int, layers: list[Layer], grad_store: list[int]) -> tuple | None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..torch_utils import storage_nbytes, tensor_leaves
+from ..torch_utils import storage_identity, storage_nbytes, tensor_leaves
 
 __all__ = ["LayerIO", "Streams", "layer_streams", "merge_aliased", "merge_outputless"]
 
@@ -144,7 +144,21 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
     """Join a layer that hands nothing to a later one (a dead branch cut off on its own) to the
     next layer: a boundary nothing is computed for is no boundary."""
     group_of, readers = _crossing(groups, static, values, out_node)
-    producing = {j for j, members in enumerate(groups) if any(n in readers for n in members)}
+    # a layer that hands on only views of storages made before it (the model input unsqueezed beside
+    # dead ops) makes nothing for a later layer: kept, its output counted a storage the static bytes
+    # (or the boundary before) count already (152 B over in the issue-19 fuzz, tests/test_fuzz.py)
+    made_in: dict[Any, int] = {}
+    for n, v in values.items():  # (inputs, parameters, static values: made before any layer)
+        if n not in group_of and (n in static or n.op in ("placeholder", "get_attr")):
+            for t in tensor_leaves(v):
+                made_in.setdefault(storage_identity(t), -1)
+    for j, members in enumerate(groups):
+        for n in members:
+            for t in tensor_leaves(values.get(n)):
+                made_in.setdefault(storage_identity(t), j)
+    producing = {j for j, members in enumerate(groups)
+                 if any(n in readers and any(made_in.get(storage_identity(t), j) == j
+                                             for t in tensor_leaves(values.get(n))) for n in members)}
     # a layer some later layer reads anything of, a static value included (the rotary tables a
     # pass-through layer computes from the positions)
     last = len(groups) - 1
