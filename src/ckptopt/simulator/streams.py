@@ -197,8 +197,8 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                         rend = e
                     for i in range(p + 1, rend + 1):
                         radd[i] += sa
-                    if rend == smax:  # (it dies inside its last reader, before its last pack or after)
-                        radd[smax] += SD.sdie[j]
+                    if rend == smax and rho < 0:  # (held by nothing: it dies inside its last reader;
+                        radd[smax] += SD.sdie[j]       # a layer that saves it holds it to its backward)
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa

@@ -88,7 +88,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
                   out_grad_layout: tuple | None = None, main_output_grad: bool = True,
-                  like: torch.Tensor | None = None) -> LayerMeasurement:
+                  side_output_grads: Iterable[bool] = (), like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -162,6 +162,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     main_output_grad : bool, default True
         False when no gradient reaches the chain output in the model (the next layer reads it
         only in ops no output depends on): none is injected for it, and ``ga`` is 0.
+    side_output_grads : iterable of bool, optional
+        Per side output, whether a gradient reaches it in the model (default: all do); none is
+        injected for one that no later layer hands a gradient (read only by dead ops).
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -450,6 +453,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     roots = [end]
                 else:
                     outs_all = ([y] if y is not None else []) + list(side_ys)
+                    # the outputs no gradient reaches in the model: none injected
+                    no_grad_out = ({0} if y is not None and not main_output_grad else set()) | {
+                        k + (1 if y is not None else 0) for k, want in enumerate(side_output_grads) if not want}
                     side_injects = []
                     roots = []
                     grouped: set[int] = set()
@@ -461,7 +467,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         ins = [k[1] for k in members if isinstance(k, tuple) and side_pending[k[1]]
                                and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
                         members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad
-                                   and not (k == 0 and y is not None and not main_output_grad)]
+                                   and k not in no_grad_out]
                         lone = y is None and len(outs_all) == 1  # (the layer's only output: g is its storage)
                         if not members or (len(members) + len(ins) < 2 and not lone and int(nbytes) <= (
                                 outs_all[members[0]].numel() * outs_all[members[0]].element_size())):
@@ -478,8 +484,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         grouped |= set(members)
                         pending_in_group |= set(ins)
                     for k in range(len(outs_all)):
-                        if k in grouped or not outs_all[k].requires_grad or (
-                                k == 0 and y is not None and not main_output_grad):
+                        if k in grouped or not outs_all[k].requires_grad or k in no_grad_out:
                             continue
                         rec = record if y is not None and k == 0 else {}
                         if rec is not record:

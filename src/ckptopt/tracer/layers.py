@@ -158,9 +158,11 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
             read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
             out_grad = _chain_output_gets_a_gradient(j, built, layers, values)
-            if shared or any(held) or layout or pending != read_later or not out_grad:
+            # a side output no later layer hands a gradient (read only by dead ops) gets none
+            side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
+            if shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad):
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending, out_grad)
+                             shared, held, layout, pending, out_grad, side_out_grad)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -190,7 +192,7 @@ class _Built:
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
-             out_grad: bool = True) -> LayerMeasurement:
+             out_grad: bool = True, side_out_grad: tuple = ()) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -213,7 +215,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                                     [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
                       side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
-                      shared_out_grads=shared)
+                      shared_out_grads=shared, side_output_grads=side_out_grad)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad, **kw)
     except Exception as exc:
         raise TraceError(
