@@ -1048,3 +1048,24 @@ def test_regression_a_side_output_no_gradient_reaches_and_a_saved_side_tensor_is
     assert any(t.grad_bytes == 0 and t.last_gain < 0 and t.saved_by for t in tm.costs.side)
     # under before: (5, 8), (1, 6, 7); over: (3, 6, 8), (3, 8), (1, 2, 3, 6)
     _assert_exact_by_phase(model, x, tm, [(5, 8), (1, 6, 7), (3, 6, 8), (3, 8), (1, 2, 3, 6)])
+
+
+# Issue-19 fuzz (run on 77e2a15), seed 799003289: a dropout output (the chain tensor) that the next
+# layer reads only in a dead concatenation, beside the max-pool of it (a side tensor) that the next
+# layer concatenates with the BatchNorm output: the side output's gradient and the BatchNorm's are
+# slices of one storage. With no gradient for the chain output, that side output's gradient is the
+# layer's output gradient (as for a layer with no chain output) and its storage is counted once:
+# 160-480 B over on 19 of 24 plans before, at the recomputation.
+REGRESSION_THE_ONE_OUTPUT_A_GRADIENT_REACHES_IS_A_SLICE = Spec(family='mlp', dtype='float64', batch=2, shape=(13,),
+    nodes=(Node(op='linear', inputs=(0,), width=20, inplace=''), Node(op='bn', inputs=(1,), width=0, inplace=''),
+           Node(op='relu', inputs=(2,), width=0, inplace=''), Node(op='mul', inputs=(1, 3), width=0, inplace=''),
+           Node(op='dropout', inputs=(4,), width=0, inplace=''), Node(op='pool1d', inputs=(5,), width=0, inplace=''),
+           Node(op='cat', inputs=(5, 6), width=0, inplace=''), Node(op='cat', inputs=(6, 2), width=0, inplace='')),
+    classes=2, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_the_one_output_a_gradient_reaches_is_a_slice_of_a_later_storage():
+    model, x = build(REGRESSION_THE_ONE_OUTPUT_A_GRADIENT_REACHES_IS_A_SLICE, seed=799003289)
+    model.train()
+    tm = trace(model, (x,))
+    _assert_exact_by_phase(model, x, tm, [(5,), (5, 6), (1, 2, 4, 6), (3, 4, 6, 7), (2, 3, 5, 6)])

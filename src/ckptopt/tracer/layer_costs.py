@@ -468,7 +468,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
                         members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad
                                    and k not in no_grad_out]
-                        lone = y is None and len(outs_all) == 1  # (the layer's only output: g is its storage)
+                        # (the layer's only output a gradient reaches: g is its storage)
+                        # (as tracer/layers.py::_storages_and_sides takes it: a layer with no chain output
+                        # and one output, or a chain output no gradient reaches and one output one does)
+                        lone = (len(outs_all) == 1 if y is None else
+                                not main_output_grad and len(outs_all) - len(no_grad_out) == 1)
                         if not members or (len(members) + len(ins) < 2 and not lone and int(nbytes) <= (
                                 outs_all[members[0]].numel() * outs_all[members[0]].element_size())):
                             continue  # (one output alone: only as a slice of a larger storage)
@@ -490,7 +494,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         if rec is not record:
                             side_injects.append(rec)
                         roots.append(InjectGrad.apply(outs_all[k], rec))  # (no loop variable keeps an output)
-                    if y is None and len(side_injects) == 1 and len(outs_all) == 1:
+                    if len(side_injects) == 1 and (len(outs_all) == 1 if y is None else
+                                                   not main_output_grad and len(outs_all) - len(no_grad_out) == 1):
                         record["only_side_out"] = side_injects[0]
                     if grads_exist:
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
@@ -529,7 +534,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                       a if main_output_grad else 0)
                 out_main = record.get("grad_bytes", 0) if y_ptr is not None else 0  # its injected storage
                 only = record.get("only_side_out", {})
-                if y_ptr is None and only.get("storage"):
+                if (y_ptr is None or not main_output_grad) and only.get("storage"):
                     out_main = only.get("grad_bytes", 0)
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
