@@ -24,6 +24,14 @@ prints a summary per family. The models are drawn by hypothesis' ``example()``, 
 not seeded: each run sees other models::
 
     python benchmarks/exactness_fuzz.py --minutes 10 --seed 0 --family stream
+
+``--replay`` replays, on the current code, every model recorded as inexact in the given result
+files (each spec and seed once) with its recorded plans and ``--plans`` random plans (seeded, no
+stored segments), and prints each model's inexact plans (measured minus predicted, the phase and
+layer the prediction peaks in); ``--out`` then gets one record per model::
+
+    python benchmarks/exactness_fuzz.py --replay benchmarks/results/exactness_fuzz_*.json --plans 24 \
+        --out benchmarks/results/exactness_fuzz_replay.json
 """
 
 from __future__ import annotations
@@ -65,14 +73,65 @@ def _summary(rows: list, cases: list, errors: list) -> dict:
                 models_inexact=len({(c["spec"], c["seed"]) for c in cases}), errors=len(errors))
 
 
+def replay(paths: list, n_plans: int, out: str) -> int:
+    """``--replay``: each inexact model of ``paths`` on the current code (see the module docstring)."""
+    warnings.filterwarnings("ignore")
+    from ckptopt import Plan, apply_plan, simulate
+    from ckptopt.measure import measure_peak
+    from ckptopt.tracer import trace
+    from tests.common.fuzz import Node, Spec, build  # noqa: F401 (Node and Spec: the recorded reprs)
+
+    models: dict = {}
+    for path in paths:
+        for c in json.loads(Path(path).read_text())["cases"]:
+            plans = models.setdefault((c["spec"], c["seed"]), dict(source=Path(path).name, plans=set()))["plans"]
+            plans.add((c["n"], tuple(c["checkpoints"]), tuple(c["stored"])))
+    records = []
+    for (spec_repr, seed), info in models.items():
+        model, x = build(eval(spec_repr), seed=seed)
+        model.train()
+        tm = trace(model, (x,))
+        every = [tuple(j for j in range(1, tm.n) if m >> (j - 1) & 1) for m in range(1 << (tm.n - 1))]
+        random.Random(seed).shuffle(every)
+        # (the recorded plans where the model still has as many layers: a merge renumbers them)
+        todo = sorted({(cps, st) for n, cps, st in info["plans"] if n == tm.n} | {(cps, ()) for cps in every[:n_plans]})
+        inexact = []
+        for cps, stored in todo:
+            sim = simulate(tm.costs, cps, stored)
+            opt = apply_plan(model, tm, Plan(cps, sim.peak_bytes, "given", 0.0, tm.n, stored))
+            try:
+                gap = measure_peak(opt, (x,)) - sim.peak_bytes
+            finally:
+                opt.remove_hooks()
+            if not 0 <= gap <= 8:
+                inexact.append(dict(checkpoints=list(cps), stored=list(stored), gap=gap, phase=sim.phase,
+                                    layer=sim.layer))
+        worst = min((c["gap"] for c in inexact), key=lambda g: -abs(g), default=0)
+        print(f"{seed:>10} {info['source']:<34} n {tm.n:>2}  plans {len(todo):>3}  inexact {len(inexact):>3}"
+              f"  (under {sum(c['gap'] > 8 for c in inexact)}, worst {worst:+d} B)", flush=True)
+        records.append(dict(seed=seed, source=info["source"], n=tm.n, plans=len(todo), inexact=inexact,
+                            spec=spec_repr))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(dict(replayed=paths, plans_per_model=n_plans, models=records), indent=1))
+    print(f"{len(records)} models, {sum(not r['inexact'] for r in records)} exact on every plan replayed")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", choices=("all", "chain", "stream"), default="all",
                     help="which generator draws the models: specs() (chain), stream_specs() (stream), or both in turn")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "exactness_fuzz.json"))
+    ap.add_argument("--out", help="default benchmarks/results/exactness_fuzz.json (exactness_fuzz_replay.json "
+                    "with --replay)")
+    ap.add_argument("--replay", nargs="+", metavar="JSON", help="replay the inexact models of these result files")
+    ap.add_argument("--plans", type=int, default=24, help="random plans per replayed model (default 24)")
     args = ap.parse_args(argv)
+    results = ROOT / "benchmarks" / "results"
+    if args.replay:
+        return replay(args.replay, args.plans, args.out or str(results / "exactness_fuzz_replay.json"))
+    args.out = args.out or str(results / "exactness_fuzz.json")
     warnings.filterwarnings("ignore")
     import hypothesis
 
