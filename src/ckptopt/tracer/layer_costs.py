@@ -456,6 +456,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                     # the outputs no gradient reaches in the model: none injected
                     no_grad_out = ({0} if y is not None and not main_output_grad else set()) | {
                         k + (1 if y is not None else 0) for k, want in enumerate(side_output_grads) if not want}
+                    # the layer's one output a gradient reaches is a side output (no chain output, or one no
+                    # gradient reaches): its gradient is the layer's output gradient, g its storage (as
+                    # tracer/layers.py::_storages_and_sides takes it)
+                    lone = (len(outs_all) == 1 if y is None else
+                            not main_output_grad and len(outs_all) - len(no_grad_out) == 1)
                     side_injects = []
                     roots = []
                     grouped: set[int] = set()
@@ -468,11 +473,6 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                and sides[k[1]].requires_grad and sides[k[1]].grad_fn in reached]
                         members = [k for k in members if not isinstance(k, tuple) and outs_all[k].requires_grad
                                    and k not in no_grad_out]
-                        # (the layer's only output a gradient reaches: g is its storage)
-                        # (as tracer/layers.py::_storages_and_sides takes it: a layer with no chain output
-                        # and one output, or a chain output no gradient reaches and one output one does)
-                        lone = (len(outs_all) == 1 if y is None else
-                                not main_output_grad and len(outs_all) - len(no_grad_out) == 1)
                         if not members or (len(members) + len(ins) < 2 and not lone and int(nbytes) <= (
                                 outs_all[members[0]].numel() * outs_all[members[0]].element_size())):
                             continue  # (one output alone: only as a slice of a larger storage)
@@ -494,8 +494,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                         if rec is not record:
                             side_injects.append(rec)
                         roots.append(InjectGrad.apply(outs_all[k], rec))  # (no loop variable keeps an output)
-                    if len(side_injects) == 1 and (len(outs_all) == 1 if y is None else
-                                                   not main_output_grad and len(outs_all) - len(no_grad_out) == 1):
+                    if lone and len(side_injects) == 1:
                         record["only_side_out"] = side_injects[0]
                     if grads_exist:
                         roots.append(sum((prm * 0).sum() for prm in grads_exist))
