@@ -1069,3 +1069,26 @@ def test_regression_the_one_output_a_gradient_reaches_is_a_slice_of_a_later_stor
     model.train()
     tm = trace(model, (x,))
     _assert_exact_by_phase(model, x, tm, [(5,), (5, 6), (1, 2, 4, 6), (3, 4, 6, 7), (2, 3, 5, 6)])
+
+
+# Issue-19 fuzz (run on 76ebec4), seed 91550067 (a skip model): a BatchNorm layer whose output
+# gradient is a slice of the concatenation's gradient after it, which the other slice (the first
+# BatchNorm's output, read again by the dropout) keeps past the layer's backward. gh took what holding
+# that storage adds with the BatchNorm's input (a side tensor) still held to the end of the layer's
+# backward, where the model lets it go when the BatchNorm's saved reference goes: 1,488 B over (10%)
+# on plans that recompute it. A layer whose output gradient outlives its backward is now measured
+# with it held, every figure (b, the release splits) counting it where the backward has it.
+REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD = Spec(family='conv', dtype='float32', batch=4,
+    shape=(6, 4, 4), nodes=(
+        Node(op='bn', inputs=(0,), width=0, inplace=''), Node(op='dropout', inputs=(1,), width=0, inplace=''),
+        Node(op='bn', inputs=(2,), width=0, inplace=''), Node(op='cat', inputs=(3, 1), width=0, inplace=''),
+        Node(op='conv1', inputs=(4,), width=6, inplace=''), Node(op='add', inputs=(2, 5), width=0, inplace=''),
+        Node(op='dropout', inputs=(6,), width=0, inplace='')),
+    classes=1, input_requires_grad=False, dropout_p=0.3, kind='skip')
+
+
+def test_regression_an_output_gradient_that_outlives_the_backward_is_measured_held():
+    model, x = build(REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD, seed=91550067)
+    model.train()
+    tm = trace(model, (x,))
+    _assert_exact_by_phase(model, x, tm, [(1, 3, 4, 5, 6, 7), (1, 3, 4, 5, 6, 9), (1, 4, 5, 8), (2, 4, 5), ()])

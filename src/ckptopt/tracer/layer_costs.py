@@ -88,7 +88,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   side_outputs: int = 0, main_output: bool = True,
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
                   out_grad_layout: tuple | None = None, main_output_grad: bool = True,
-                  side_output_grads: Iterable[bool] = (), like: torch.Tensor | None = None) -> LayerMeasurement:
+                  side_output_grads: Iterable[bool] = (), hold_out_grad: bool = False,
+                  like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -165,6 +166,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     side_output_grads : iterable of bool, optional
         Per side output, whether a gradient reaches it in the model (default: all do); none is
         injected for one that no later layer hands a gradient (read only by dead ops).
+    hold_out_grad : bool, default False
+        The chain output's gradient storage outlives the layer's backward in the model (a side
+        tensor's gradient, summed at an earlier layer, views it): held to the end, so that every
+        figure counts it where the backward has it (``gh`` is then 0).
     like : Tensor, optional
         For a layer that reads nothing and has no parameter (``torch.rand`` of a stochastic
         depth mask): a tensor on the device the layer runs on (fake or real).
@@ -298,6 +303,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             record["layout"] = tuple(out_grad_layout)
         if not main_output_grad:
             record["no_grad"] = True  # (InjectGrad hands the chain output none)
+        if hold_out_grad:
+            record["hold_out"] = []  # (InjectGrad keeps the chain output's gradient here)
         # side inputs: fresh, requiring grad as in the model, held throughout (the simulator counts them)
         side_records: list[dict[str, Any]] = [{"out_of": record, "tag": k} for k in range(len(side_inputs))]
         x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, record,

@@ -71,6 +71,8 @@ class InjectGrad(torch.autograd.Function):
             g = torch.ones(ctx.template.shape, dtype=ctx.template.dtype, device=ctx.device)
         ctx.record["grad_bytes"] = g.untyped_storage().nbytes()
         ctx.record["out"] = weakref.ref(g.untyped_storage())  # to tell it apart from the input gradients
+        if "hold_out" in ctx.record:  # (it outlives the layer's backward in the model: a side gradient views it)
+            ctx.record["hold_out"].append(g)
         if "on_free" in ctx.record:  # when the engine lets it go
             weakref.finalize(g.untyped_storage(), ctx.record["on_free"]).atexit = False
         return g, None
@@ -114,6 +116,8 @@ class _SharedGrad(torch.autograd.Function):
         ctx.record["grad_bytes"] = base.untyped_storage().nbytes() + sum(
             o.untyped_storage().nbytes() for o in outs if o.untyped_storage() is not base.untyped_storage())
         ctx.record["out"] = weakref.ref(base.untyped_storage())
+        if "hold_out" in ctx.record:
+            ctx.record["hold_out"].append(base)
         if "on_free" in ctx.record:
             weakref.finalize(base.untyped_storage(), ctx.record["on_free"]).atexit = False
         return (None, None, *outs)

@@ -160,9 +160,11 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             out_grad = _chain_output_gets_a_gradient(j, built, layers, values)
             # a side output no later layer hands a gradient (read only by dead ops) gets none
             side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
-            if shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad):
+            hold_out = _output_grad_outlives(j, side, grad_root)
+            if (shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad)
+                    or hold_out):
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending, out_grad, side_out_grad)
+                             shared, held, layout, pending, out_grad, side_out_grad, hold_out)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -192,7 +194,7 @@ class _Built:
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
-             out_grad: bool = True, side_out_grad: tuple = ()) -> LayerMeasurement:
+             out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -216,7 +218,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                       side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared, side_output_grads=side_out_grad)
-        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad, **kw)
+        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
+                             hold_out_grad=hold_out, **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -504,6 +507,18 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             if nbytes > side[t].bytes or len(keys) == 1:  # (a lone output: a view of the chain gradient,
                 out.append((tuple(members), nbytes))      # which g counts, as the chain output's is)
     return tuple(out)
+
+
+def _output_grad_outlives(j: int, side: list[SideTensor], grad_root: list[int]) -> bool:
+    """Layer ``j``'s output gradient storage outlives its backward: a side tensor's gradient views it
+    (an addition or a concatenation after it hands out the same storage) and is summed at an earlier
+    layer (``ckptopt.sides.SideArrays.build``, which adds ``gh`` for it). Measured with that gradient
+    let go when the layer is done with it, ``gh`` took the peak it adds later in the backward with every
+    side input still held, where the model releases one the layer saves before: a skip model was
+    1,488 B over."""
+    key = ("view", int(grad_root[j]))
+    return any(t.grad_bytes and t.producer <= j < t.grad_last and j > t.grad_split and t.grad_storage(j)[0] == key
+               for t in side)
 
 
 def _chain_output_gets_a_gradient(j: int, built: list, layers: list[Layer], values: dict) -> bool:
