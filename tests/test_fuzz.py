@@ -1092,3 +1092,42 @@ def test_regression_an_output_gradient_that_outlives_the_backward_is_measured_he
     model.train()
     tm = trace(model, (x,))
     _assert_exact_by_phase(model, x, tm, [(1, 3, 4, 5, 6, 7), (1, 3, 4, 5, 6, 9), (1, 4, 5, 8), (2, 4, 5), ()])
+
+
+# Issue-19 fuzz (run on 2475ee0, replayed 2026-11-26, fifth session), seed 1010731505: a GroupNorm whose
+# output (a side tensor, the layer's only output) is concatenated along channels with a BatchNorm
+# output later; the concatenation hands it a strided channel slice of its gradient, which the
+# GroupNorm's backward copies before reading. Measured with a contiguous slice, no copy: 968 B UNDER
+# (9.6%) on plans that recompute it. That side output's gradient is now laid out as its reader hands it.
+REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IS_A_STRIDED_SLICE = Spec(family='conv', dtype='float32', batch=3,
+    shape=(5, 4, 4), nodes=(
+        Node(op='gelu', inputs=(0,), width=0, inplace=''), Node(op='gn', inputs=(1,), width=0, inplace=''),
+        Node(op='silu', inputs=(2,), width=0, inplace=''), Node(op='tanh', inputs=(3,), width=0, inplace=''),
+        Node(op='conv1', inputs=(4,), width=5, inplace=''), Node(op='gn', inputs=(5,), width=0, inplace=''),
+        Node(op='bn', inputs=(0,), width=0, inplace=''), Node(op='cat', inputs=(7, 6), width=0, inplace=''),
+        Node(op='conv1', inputs=(8,), width=5, inplace=''), Node(op='gn', inputs=(9,), width=0, inplace=''),
+        Node(op='conv1', inputs=(10,), width=5, inplace='')),
+    classes=3, input_requires_grad=False, dropout_p=0.3, kind='enc-dec')
+
+
+# The same in a two-tower model (fuzz run on 78f1d4a, seed 1025444167): the first tower's GroupNorm
+# output, concatenated with the second tower's at the end, 392 B under (14%).
+REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE = Spec(family='conv', dtype='float32', batch=2,
+    shape=(3, 4, 4), nodes=(
+        Node(op='relu', inputs=(0,), width=0, inplace=''), Node(op='conv1', inputs=(1,), width=3, inplace=''),
+        Node(op='gn', inputs=(2,), width=0, inplace=''), Node(op='relu', inputs=(0,), width=0, inplace=''),
+        Node(op='dropout', inputs=(4,), width=0, inplace=''), Node(op='dropout', inputs=(5,), width=0, inplace=''),
+        Node(op='bn', inputs=(6,), width=0, inplace='mul_'), Node(op='dropout', inputs=(7,), width=0, inplace=''),
+        Node(op='cat', inputs=(8, 3), width=0, inplace=''), Node(op='conv1', inputs=(9,), width=3, inplace='')),
+    classes=3, input_requires_grad=False, dropout_p=0.3, kind='two-tower')
+
+
+def test_regression_a_lone_side_outputs_gradient_is_laid_out_as_its_reader_hands_it_out():
+    model, x = build(REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IS_A_STRIDED_SLICE, seed=1010731505)
+    model.train()
+    tm = trace(model, (x,))
+    _assert_exact_by_phase(model, x, tm, [(5, 8, 10), (5, 7, 9, 10), (2, 5, 6, 7, 8, 10, 12), (), (3, 6)])
+    model, x = build(REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE, seed=1025444167)
+    model.train()
+    tm = trace(model, (x,))
+    _assert_exact_by_phase(model, x, tm, [(2, 7, 8, 9, 10, 11), (2, 4, 5, 7), (2, 3, 7, 8, 9, 10)])

@@ -65,6 +65,7 @@ class LayerMeasurement:
     side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
     side_in_grad_shares: tuple = ()  # ... one storage with the chain input's gradient ("main") or another's
+    side_in_grad_layout: tuple = ()  # ... (stride, offset) when it is a slice of that storage, else None
     gh: int = 0  # what the peak of the backward gains when the output gradient outlives it
     ga: int | None = None  # bytes of the output's gradient (less than a for a view of a larger storage)
     frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
@@ -89,6 +90,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   shared_out_grads: Iterable[tuple[tuple[int, ...], int]] = (),
                   out_grad_layout: tuple | None = None, main_output_grad: bool = True,
                   side_output_grads: Iterable[bool] = (), hold_out_grad: bool = False,
+                  side_out_grad_layout: tuple | None = None,
                   like: torch.Tensor | None = None) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
@@ -166,6 +168,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
     side_output_grads : iterable of bool, optional
         Per side output, whether a gradient reaches it in the model (default: all do); none is
         injected for one that no later layer hands a gradient (read only by dead ops).
+    side_out_grad_layout : (nbytes, stride, offset), optional
+        ``out_grad_layout`` for the layer's one output a gradient reaches when that is a side output
+        (a GroupNorm output concatenated later: a strided channel slice, which its backward copies).
     hold_out_grad : bool, default False
         The chain output's gradient storage outlives the layer's backward in the model (a side
         tensor's gradient, summed at an earlier layer, views it): held to the end, so that every
@@ -489,6 +494,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                 # the layer's only output, a slice of a larger storage: that storage is
                                 # its output gradient (g), as a chain output's is (rg, rgk below)
                                 rec.update(on_free=record["on_free"], storage=True)
+                                if side_out_grad_layout is not None:  # (laid out as the reader hands it out)
+                                    rec["layout"] = tuple(side_out_grad_layout)
                             side_injects.append(rec)
                         roots.append(_SharedGrad.apply(rec, int(nbytes), *[outs_all[k] for k in members],
                                                        *[sides[k] for k in ins]))
@@ -654,6 +661,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         side_in_grad=tuple(r.get("in_bytes") for r in side_records),
         side_in_grad_is_out=tuple(bool(r.get("in_is_out", False)) for r in side_records),
         side_in_grad_shares=tuple(_shares(r, record) for r in side_records),
+        side_in_grad_layout=tuple(r.get("in_layout") for r in side_records),
         gh=int(gh),
         frame_pre=int(frame[0]),
         frame_post=int(frame[1]),

@@ -161,10 +161,11 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             # a side output no later layer hands a gradient (read only by dead ops) gets none
             side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
             hold_out = _output_grad_outlives(j, side, grad_root)
+            side_layout = _lone_side_grad_layout(j, streams, layers, side, shared)
             if (shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad)
                     or hold_out):
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending, out_grad, side_out_grad, hold_out)
+                             shared, held, layout, pending, out_grad, side_out_grad, hold_out, side_layout)
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -194,7 +195,8 @@ class _Built:
 def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
-             out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False) -> LayerMeasurement:
+             out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
+             side_layout: tuple | None = None) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
@@ -219,7 +221,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared, side_output_grads=side_out_grad)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
-                             hold_out_grad=hold_out, **kw)
+                             hold_out_grad=hold_out, side_out_grad_layout=side_layout, **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -507,6 +509,30 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
             if nbytes > side[t].bytes or len(keys) == 1:  # (a lone output: a view of the chain gradient,
                 out.append((tuple(members), nbytes))      # which g counts, as the chain output's is)
     return tuple(out)
+
+
+def _lone_side_grad_layout(j: int, streams: Streams, layers: list[Layer], side: list[SideTensor],
+                           shared: tuple) -> tuple | None:
+    """``(nbytes, stride, offset)`` of the gradient of layer ``j``'s one side output measured as a slice of
+    a larger storage (``shared``), when the layer that hands it out (its ``grad_view``) records a
+    layout: a concatenation along channels hands out a strided slice, which a normalization's backward
+    copies before reading (a random model was 968 B under, its GroupNorm measured with a contiguous
+    slice). None otherwise."""
+    io = streams.io[j]
+    k0 = 1 if io.main_out is not None else 0
+    for members, nbytes in shared:
+        outs = [k for k in members if not isinstance(k, tuple)]
+        if len(outs) != 1 or outs[0] < k0:
+            continue
+        t = io.side_out[outs[0] - k0]
+        u = side[t].grad_view
+        if u <= j or u >= len(layers) or t not in streams.io[u].side_in:
+            continue
+        lay = layers[u].costs.side_in_grad_layout
+        k = streams.io[u].side_in.index(t)
+        if k < len(lay) and lay[k] is not None:
+            return (int(nbytes), tuple(lay[k][0]), int(lay[k][1]))
+    return None
 
 
 def _output_grad_outlives(j: int, side: list[SideTensor], grad_root: list[int]) -> bool:
