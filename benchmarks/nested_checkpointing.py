@@ -59,31 +59,44 @@ def _maybe(region, want, fn, *args):
     return ck(fn, *args) if region == want else fn(*args)
 
 
+def _attn_sublayer(layer, attn, norm, inner):
+    """Attention (checkpointed inside when ``inner == "attn"``), dropout, residual and ``norm``."""
+    import torch.nn.functional as F
+
+    def sub(h, *extra):
+        residual = h
+        h = ck(attn, h, *extra) if inner == "attn" else attn(h, *extra)
+        h = F.dropout(h, p=layer.dropout, training=layer.training)
+        return norm(residual + h)
+    return sub
+
+
+def _ffn_sublayer(layer, inner):
+    """fc1 and the activation (checkpointed inside when ``inner == "fc1act"``), dropouts, fc2, residual, norm."""
+    import torch.nn.functional as F
+
+    def fc1act(h):
+        return layer.activation_fn(layer.fc1(h))
+
+    def sub(h):
+        residual = h
+        h = ck(fc1act, h) if inner == "fc1act" else fc1act(h)
+        h = F.dropout(h, p=layer.activation_dropout, training=layer.training)
+        h = layer.fc2(h)
+        h = F.dropout(h, p=layer.dropout, training=layer.training)
+        return layer.final_layer_norm(residual + h)
+    return sub
+
+
 def enc_forward(self, hidden_states, attention_mask, spec=None, **kwargs):
     """BartEncoderLayer.forward (transformers 5.24), with inner checkpoints per ``spec``."""
-    import torch.nn.functional as F
     sa, ffn = spec.get("sa"), spec.get("ffn")
 
     def attn(h):
         return self.self_attn(h, attention_mask=attention_mask, **kwargs)[0]
 
-    def sa_sub(h):
-        residual = h
-        h = ck(attn, h) if sa == "attn" else attn(h)
-        h = F.dropout(h, p=self.dropout, training=self.training)
-        return self.self_attn_layer_norm(residual + h)
-
-    def fc1act(h):
-        return self.activation_fn(self.fc1(h))
-
-    def ffn_sub(h):
-        residual = h
-        h = ck(fc1act, h) if ffn == "fc1act" else fc1act(h)
-        h = F.dropout(h, p=self.activation_dropout, training=self.training)
-        h = self.fc2(h)
-        h = F.dropout(h, p=self.dropout, training=self.training)
-        return self.final_layer_norm(residual + h)
-
+    sa_sub = _attn_sublayer(self, attn, self.self_attn_layer_norm, sa)
+    ffn_sub = _ffn_sublayer(self, ffn)
     h = ck(sa_sub, hidden_states) if sa == "sub" else sa_sub(hidden_states)
     h = ck(ffn_sub, h) if ffn == "sub" else ffn_sub(h)
     return h   # (the fp16 clamp of the original is a no-op in fp32)
@@ -92,39 +105,18 @@ def enc_forward(self, hidden_states, attention_mask, spec=None, **kwargs):
 def dec_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 cache=None, use_cache=True, spec=None, **kwargs):
     """BartDecoderLayer.forward (transformers 5.24, cache unused: use_cache=False), with inner checkpoints."""
-    import torch.nn.functional as F
     sa, ca, ffn = spec.get("sa"), spec.get("ca"), spec.get("ffn")
 
     def sattn(h):
         return self.self_attn(h, cache=cache, attention_mask=attention_mask, **kwargs)[0]
 
-    def sa_sub(h):
-        residual = h
-        h = ck(sattn, h) if sa == "attn" else sattn(h)
-        h = F.dropout(h, p=self.dropout, training=self.training)
-        return self.self_attn_layer_norm(residual + h)
-
     def cattn(h, enc):
         return self.encoder_attn(h, key_value_states=enc, attention_mask=encoder_attention_mask, cache=cache,
                                  **kwargs)[0]
 
-    def ca_sub(h, enc):
-        residual = h
-        h = ck(cattn, h, enc) if ca == "attn" else cattn(h, enc)
-        h = F.dropout(h, p=self.dropout, training=self.training)
-        return self.encoder_attn_layer_norm(residual + h)
-
-    def fc1act(h):
-        return self.activation_fn(self.fc1(h))
-
-    def ffn_sub(h):
-        residual = h
-        h = ck(fc1act, h) if ffn == "fc1act" else fc1act(h)
-        h = F.dropout(h, p=self.activation_dropout, training=self.training)
-        h = self.fc2(h)
-        h = F.dropout(h, p=self.dropout, training=self.training)
-        return self.final_layer_norm(residual + h)
-
+    sa_sub = _attn_sublayer(self, sattn, self.self_attn_layer_norm, sa)
+    ca_sub = _attn_sublayer(self, cattn, self.encoder_attn_layer_norm, ca)
+    ffn_sub = _ffn_sublayer(self, ffn)
     h = ck(sa_sub, hidden_states) if sa == "sub" else sa_sub(hidden_states)
     if encoder_hidden_states is not None:
         h = ck(ca_sub, h, encoder_hidden_states) if ca == "sub" else ca_sub(h, encoder_hidden_states)
