@@ -166,6 +166,13 @@ def _assert_exact(model, x, tm, plans) -> None:
         assert gap == LOSS_BYTES, (cps, gap)
 
 
+def _traced(spec: Spec, seed: int, **trace_kw):
+    """A random model built from ``spec`` and ``seed``, in training mode, and its trace."""
+    model, x = build(spec, seed=seed)
+    model.train()
+    return model, x, trace(model, (x,), **trace_kw)
+
+
 _SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
 
 
@@ -557,9 +564,7 @@ REGRESSION_RECOMPUTED_BATCHNORM = Spec(family='mlp', dtype='float32', batch=4, s
 
 
 def test_regression_recomputing_batchnorm_allocates_nothing_beyond_the_model():
-    model, x = build(REGRESSION_RECOMPUTED_BATCHNORM, seed=127382995)
-    model.train()
-    tm = trace(model, (x,), max_crossing=1)
+    model, x, tm = _traced(REGRESSION_RECOMPUTED_BATCHNORM, 127382995, max_crossing=1)
     assert simulate(tm.costs, (1,)).phase == "recompute"  # the peak is the BatchNorm's recomputation
     _assert_exact(model, x, tm, [(1,), (1, 2)])
     check_random_model(REGRESSION_RECOMPUTED_BATCHNORM)  # and the running statistics stay right
@@ -649,9 +654,7 @@ REGRESSION_RECOMPUTED_SAVES_DIE_WITH_THEIR_NODE = Spec(family='mlp', dtype='floa
 
 
 def test_regression_recomputed_saved_tensors_die_before_the_bias_gradient_is_summed():
-    model, x = build(REGRESSION_RECOMPUTED_SAVES_DIE_WITH_THEIR_NODE, seed=830024008)
-    model.train()
-    tm = trace(model, (x,), max_crossing=1)
+    model, x, tm = _traced(REGRESSION_RECOMPUTED_SAVES_DIE_WITH_THEIR_NODE, 830024008, max_crossing=1)
     _assert_exact(model, x, tm, [(), (1,), (2,), (1, 2)])
     c = tm.costs
     assert simulate(c, (1,)).phase == "backward"
@@ -671,9 +674,7 @@ REGRESSION_INPUT_DIES_INSIDE_THE_LAYER = Spec(family='conv', dtype='float32', ba
 
 
 def test_regression_a_layers_input_dies_at_its_last_use_when_nothing_else_holds_it():
-    model, x = build(REGRESSION_INPUT_DIES_INSIDE_THE_LAYER, seed=48642128)
-    model.train()
-    tm = trace(model, (x,), max_crossing=1)
+    model, x, tm = _traced(REGRESSION_INPUT_DIES_INSIDE_THE_LAYER, 48642128, max_crossing=1)
     _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (2, 3), (2, 4), (1, 2, 3, 4)])
     c = tm.costs
     assert simulate(c, (2,)).phase == "recompute" and c.ff[1] == c.f[1] - c.a[0]  # (freed before the mask)
@@ -694,9 +695,7 @@ REGRESSION_SHARED_PENDING_GRADIENT = Spec(family='mlp', dtype='float32', batch=2
 
 
 def test_regression_a_pending_side_gradient_shared_with_another_outlives_the_sum():
-    model, x = build(REGRESSION_SHARED_PENDING_GRADIENT, seed=851314911)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_SHARED_PENDING_GRADIENT, 851314911)
     _assert_exact(model, x, tm, [(), (2, 5), (4, 6), (7,), (1, 2, 3), (1, 2, 3, 4, 5, 6, 7, 8, 9)])
     views = [t.grad_view for t in tm.costs.side]
     assert len(views) == 3 and len({v for v in views if v >= 0}) < len([v for v in views if v >= 0])
@@ -714,9 +713,7 @@ REGRESSION_GRADIENT_SLICE_LAYOUT = Spec(family='conv', dtype='float32', batch=3,
 
 
 def test_regression_a_gradient_slice_is_measured_with_its_layout():
-    model, x = build(REGRESSION_GRADIENT_SLICE_LAYOUT, seed=803927111)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_GRADIENT_SLICE_LAYOUT, 803927111)
     _assert_exact(model, x, tm, [(), (1,), (2,), (1, 2), (1, 2, 3, 4)])
     assert tm.layers[1].costs.gin_layout is not None and tm.costs.g[0] > tm.costs.a[0]
     check_random_model(REGRESSION_GRADIENT_SLICE_LAYOUT)
@@ -725,8 +722,7 @@ def test_regression_a_gradient_slice_is_measured_with_its_layout():
     inside = Spec(family='conv', dtype='float32', batch=3, shape=(1, 4, 4),
                   nodes=(Node(op='dropout', inputs=(0,)), Node(op='bn', inputs=(1,)), Node(op='gn', inputs=(0,)),
                          Node(op='gn', inputs=(3,)), Node(op='cat', inputs=(2, 4), inplace='relu_module')), classes=1)
-    model, x = build(inside, seed=803927111)
-    tm = trace(model.train(), (x,))
+    model, x, tm = _traced(inside, 803927111)
     _assert_exact(model, x, tm, [(3,), (), (3, 4), (1, 2, 3)])
 
 
@@ -745,9 +741,7 @@ REGRESSION_SLICE_OUTLIVES_ITS_USE = Spec(family='conv', dtype='float64', batch=3
 
 
 def test_regression_a_gradient_slice_used_up_early_keeps_its_storage_while_others_hold_it():
-    model, x = build(REGRESSION_SLICE_OUTLIVES_ITS_USE, seed=921776112)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_SLICE_OUTLIVES_ITS_USE, 921776112)
     (side,) = tm.costs.side
     assert side.consumers == (5,) and side.grad_view == 5  # the concatenation's gradient, shared
     _assert_exact(model, x, tm, [(), (5,), (7,), (5, 7), (2, 5)])
@@ -768,9 +762,7 @@ REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE = Spec(family='conv', dtype='float64
 
 
 def test_regression_a_gradient_used_up_early_is_held_on_by_a_side_tensor_sharing_it():
-    model, x = build(REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE, seed=417308059)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_SHARED_GRADIENT_OUTLIVES_ITS_USE, 417308059)
     (side,) = tm.costs.side
     assert side.consumers == (3,) and side.grad_view == 2
     _assert_exact(model, x, tm, [(), (3,), (4,), (1, 3), (3, 5), (1, 2, 3, 4)])
@@ -804,19 +796,16 @@ REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_ALONE = Spec(family='conv', dtype='float32
 
 
 def test_regression_a_side_output_whose_gradient_is_a_slice_is_measured_with_the_whole_storage():
-    model, x = build(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE, seed=100196380)
-    tm = trace(model.train(), (x,))
+    model, x, tm = _traced(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE, 100196380)
     ln = next(t for t in tm.costs.side if t.grad_bytes)
     assert ln.producer == 0 and ln.grad_bytes == 2 * ln.bytes and ln.grad_view == 2
     _assert_exact(model, x, tm, [(), (1,), (2,), (3,), (1, 2), (2, 4), (1, 2, 3, 4)])
-    model, x = build(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_BF16, seed=726054815)
-    tm = trace(model.train(), (x,))
+    model, x, tm = _traced(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_BF16, 726054815)
     gaps = _gaps(model, x, tm, [(), (1,), (1, 2), (1, 4), (1, 2, 3, 4)])  # (bfloat16: the loss is in
     assert all(0 <= gap <= LOSS_BYTES for gap in gaps.values()), gaps  # the model's bytes or not)
     # a layer whose one output is such a side tensor has it as its output gradient already (g): counted
     # twice, the first version of this fix over-predicted this model by 584 B on 474 of its 1,024 plans
-    model, x = build(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_ALONE, seed=766473487)
-    tm = trace(model.train(), (x,))
+    model, x, tm = _traced(REGRESSION_SIDE_OUTPUT_GRADIENT_SLICE_ALONE, 766473487)
     assert tm.layers[0].side_outputs == ("ops_0_inplace",) and tm.costs.g[0] > tm.costs.side[0].bytes
     gaps = _gaps(model, x, tm, [(), (1,), (2,), (1, 8), (1, 10)])  # (peaks in the forward: no loss yet)
     assert all(0 <= gap <= LOSS_BYTES for gap in gaps.values()), gaps
@@ -835,9 +824,7 @@ REGRESSION_TWO_SIDES_LET_GO_TOGETHER = Spec(family='conv', dtype='float32', batc
 
 
 def test_regression_two_side_tensors_let_go_at_one_moment_are_counted_together_before_it():
-    model, x = build(REGRESSION_TWO_SIDES_LET_GO_TOGETHER, seed=163571349)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_TWO_SIDES_LET_GO_TOGETHER, 163571349)
     assert sum(4 in t.saved_by for t in tm.costs.side) == 2  # the product saves both
     _assert_exact(model, x, tm, [(), (2, 4), (7,), (4,), (5,), (2, 5, 7)])
     check_random_model(REGRESSION_TWO_SIDES_LET_GO_TOGETHER)
@@ -856,9 +843,7 @@ REGRESSION_SLICE_OF_A_SUMMED_SIDE_GRADIENT = Spec(family='mlp', dtype='bfloat16'
 
 
 def test_regression_a_slice_of_a_summed_side_gradient_is_the_previous_layers_output_gradient():
-    model, x = build(REGRESSION_SLICE_OF_A_SUMMED_SIDE_GRADIENT, seed=706591006)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_SLICE_OF_A_SUMMED_SIDE_GRADIENT, 706591006)
     (cat,) = tm.costs.side
     assert tm.layers[1].side_outputs == (cat.name,) and tm.costs.a[1] == 0 and len(cat.consumers) == 2
     assert tm.costs.g[0] == cat.bytes > tm.costs.a[0]
@@ -881,9 +866,7 @@ REGRESSION_LONE_SIDE_OUTPUT_SHARES_THE_CHAIN_GRADIENT = Spec(family='conv', dtyp
 
 
 def test_regression_a_lone_side_output_sharing_the_chain_gradient_is_not_counted_twice_in_recomputation():
-    model, x = build(REGRESSION_LONE_SIDE_OUTPUT_SHARES_THE_CHAIN_GRADIENT, seed=147787406)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_LONE_SIDE_OUTPUT_SHARES_THE_CHAIN_GRADIENT, 147787406)
     (side,) = tm.costs.side
     j = side.producer
     assert tm.layers[j].side_outputs == (side.name,) and tm.costs.a[j] == 0 and tm.costs.g[j] == side.bytes
@@ -906,9 +889,7 @@ REGRESSION_A_LAST_READER_THAT_ADDS_NO_GRADIENT = Spec(family='mlp', dtype='float
 
 
 def test_regression_a_side_gradient_is_pending_only_if_a_later_consumer_adds_to_it():
-    model, x = build(REGRESSION_A_LAST_READER_THAT_ADDS_NO_GRADIENT, seed=695594338)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_A_LAST_READER_THAT_ADDS_NO_GRADIENT, 695594338)
     ln = next(t for t in tm.costs.side if t.producer == 0)
     assert len(ln.consumers) == 3 and len(ln.grad_by) == 2 and ln.grad_view >= 0
     _assert_exact(model, x, tm, [(), (1, 2, 3, 4), (1, 7, 8), (2, 4, 5, 7, 9), (9,)])
@@ -936,9 +917,7 @@ REGRESSION_CHECKPOINT_PASS_KEEPS_NO_SAVES = Spec(family='conv', dtype='float32',
 
 
 def test_regression_a_checkpoints_first_pass_keeps_none_of_the_saved_tensors():
-    model, x = build(REGRESSION_CHECKPOINT_PASS_KEEPS_NO_SAVES, seed=516089506)
-    model.train()
-    tm = trace(model, (x,), max_crossing=1)
+    model, x, tm = _traced(REGRESSION_CHECKPOINT_PASS_KEEPS_NO_SAVES, 516089506, max_crossing=1)
     assert (tm.costs.fc < tm.costs.f).any()
     _assert_exact_by_phase(model, x, tm, [(), (1,), (2,), (1, 2), (1, 2, 3, 4)])
 
@@ -954,9 +933,7 @@ REGRESSION_DEAD_OPS_BESIDE_A_PASSED_TENSOR = Spec(family='conv', dtype='float64'
 
 
 def test_regression_dead_ops_beside_a_tensor_passed_on_join_the_next_layer():
-    model, x = build(REGRESSION_DEAD_OPS_BESIDE_A_PASSED_TENSOR, seed=909214773)
-    model.train()
-    tm = trace(model, (x,), max_crossing=1)
+    model, x, tm = _traced(REGRESSION_DEAD_OPS_BESIDE_A_PASSED_TENSOR, 909214773, max_crossing=1)
     assert all(layer.output_node != layer.input_node for layer in tm.layers)
     _assert_exact_by_phase(model, x, tm, [(), (1,), (2,), (1, 3), (1, 3, 4)])
 
@@ -975,9 +952,7 @@ REGRESSION_SIDE_DIES_INSIDE_ITS_LAST_READER = Spec(family='conv', dtype='float64
 
 
 def test_regression_a_side_tensor_dies_inside_its_last_reader_where_nothing_holds_it():
-    model, x = build(REGRESSION_SIDE_DIES_INSIDE_ITS_LAST_READER, seed=481963592)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_SIDE_DIES_INSIDE_ITS_LAST_READER, 481963592)
     assert any(t.last_gain < 0 for t in tm.costs.side)
     # no checkpointing (the forward peaks in that layer), a recomputation of it, and others
     _assert_exact_by_phase(model, x, tm, [(), (1, 2), (3,), (5,), (3, 4, 6), (4, 7), (1, 4, 5, 6, 7)])
@@ -998,9 +973,7 @@ REGRESSION_NO_GRADIENT_REACHES_THE_CHAIN_OUTPUT = Spec(family='mlp', dtype='bflo
 
 
 def test_regression_a_chain_output_no_gradient_reaches_has_none():
-    model, x = build(REGRESSION_NO_GRADIENT_REACHES_THE_CHAIN_OUTPUT, seed=274652979)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_NO_GRADIENT_REACHES_THE_CHAIN_OUTPUT, 274652979)
     assert any(g == 0 < a for g, a in zip(tm.costs.g, tm.costs.a))
     _assert_exact_by_phase(model, x, tm, [(), (1,), (1, 2), (1, 3), (1, 2, 3)])
 
@@ -1019,9 +992,7 @@ REGRESSION_A_LAYER_HANDS_ON_A_VIEW_OF_THE_INPUT = Spec(family='mlp', dtype='floa
 
 
 def test_regression_a_layer_that_hands_on_only_a_view_of_the_input_joins_the_next():
-    model, x = build(REGRESSION_A_LAYER_HANDS_ON_A_VIEW_OF_THE_INPUT, seed=310200523)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_A_LAYER_HANDS_ON_A_VIEW_OF_THE_INPUT, 310200523)
     assert not any(layer.output_node.startswith("unsqueeze") for layer in tm.layers)
     _assert_exact_by_phase(model, x, tm, [(), (1,), (1, 2)])
 
@@ -1042,9 +1013,7 @@ REGRESSION_A_SIDE_OUTPUT_NO_GRADIENT_REACHES = Spec(family='mlp', dtype='bfloat1
 
 
 def test_regression_a_side_output_no_gradient_reaches_and_a_saved_side_tensor_is_held():
-    model, x = build(REGRESSION_A_SIDE_OUTPUT_NO_GRADIENT_REACHES, seed=315988539)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_A_SIDE_OUTPUT_NO_GRADIENT_REACHES, 315988539)
     assert any(t.grad_bytes == 0 and t.last_gain < 0 and t.saved_by for t in tm.costs.side)
     # under before: (5, 8), (1, 6, 7); over: (3, 6, 8), (3, 8), (1, 2, 3, 6)
     _assert_exact_by_phase(model, x, tm, [(5, 8), (1, 6, 7), (3, 6, 8), (3, 8), (1, 2, 3, 6)])
@@ -1065,9 +1034,7 @@ REGRESSION_THE_ONE_OUTPUT_A_GRADIENT_REACHES_IS_A_SLICE = Spec(family='mlp', dty
 
 
 def test_regression_the_one_output_a_gradient_reaches_is_a_slice_of_a_later_storage():
-    model, x = build(REGRESSION_THE_ONE_OUTPUT_A_GRADIENT_REACHES_IS_A_SLICE, seed=799003289)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_THE_ONE_OUTPUT_A_GRADIENT_REACHES_IS_A_SLICE, 799003289)
     _assert_exact_by_phase(model, x, tm, [(5,), (5, 6), (1, 2, 4, 6), (3, 4, 6, 7), (2, 3, 5, 6)])
 
 
@@ -1088,9 +1055,7 @@ REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD = Spec(family='conv', d
 
 
 def test_regression_an_output_gradient_that_outlives_the_backward_is_measured_held():
-    model, x = build(REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD, seed=91550067)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD, 91550067)
     _assert_exact_by_phase(model, x, tm, [(1, 3, 4, 5, 6, 7), (1, 3, 4, 5, 6, 9), (1, 4, 5, 8), (2, 4, 5), ()])
 
 
@@ -1123,11 +1088,7 @@ REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE = Spec(family='conv', dt
 
 
 def test_regression_a_lone_side_outputs_gradient_is_laid_out_as_its_reader_hands_it_out():
-    model, x = build(REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IS_A_STRIDED_SLICE, seed=1010731505)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IS_A_STRIDED_SLICE, 1010731505)
     _assert_exact_by_phase(model, x, tm, [(5, 8, 10), (5, 7, 9, 10), (2, 5, 6, 7, 8, 10, 12), (), (3, 6)])
-    model, x = build(REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE, seed=1025444167)
-    model.train()
-    tm = trace(model, (x,))
+    model, x, tm = _traced(REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE, 1025444167)
     _assert_exact_by_phase(model, x, tm, [(2, 7, 8, 9, 10, 11), (2, 4, 5, 7), (2, 3, 7, 8, 9, 10)])
