@@ -427,11 +427,14 @@ def _storages_and_sides(layers: list[Layer], streams: Streams, values: dict,
         side = found.side_tensors(streams, values, grad_store, grad_root)
         nxt, nxt_own = {}, {}
         for j, io in enumerate(streams.io):
-            # (or a chain output no gradient reaches beside one side output a gradient reaches)
+            if j >= len(layers):
+                continue
+            # one side output and no chain output, or a chain output no gradient reaches beside one side
+            # output a gradient reaches
             reached = [t for t in io.side_out if side[t].grad_bytes]
             lone = (len(io.side_out) == 1 if io.main_out is None else
-                    j < len(layers) and layers[j].costs.a > 0 and layers[j].costs.ga == 0 and len(reached) == 1)
-            if lone and j < len(layers):
+                    layers[j].costs.a > 0 and layers[j].costs.ga == 0 and len(reached) == 1)
+            if lone:
                 t = side[io.side_out[0] if io.main_out is None else reached[0]]
                 if t.grad_view > j and t.grad_bytes and t.grad_split == j:  # (still a view at j: no sum)
                     nxt[j] = t.grad_view
