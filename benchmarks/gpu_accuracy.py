@@ -191,6 +191,12 @@ def _run_child(payload: dict) -> dict:
                       payload["memory_bytes"], payload["device"])
 
 
+def _write(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -201,6 +207,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", help="the cap of the max-batch checks (default 8GiB; 64MiB with --small)")
     ap.add_argument("--no-max-batch", action="store_true")
     ap.add_argument("--no-peaks", action="store_true")
+    ap.add_argument("--out", help="the JSON written after every case (default benchmarks/results/gpu_accuracy[_small].json)")
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(_run_child(json.loads(args.child))))
@@ -212,6 +219,7 @@ def main(argv=None) -> int:
     from _common import run_metadata
 
     results = dict(meta=run_metadata("gpu_accuracy"), device=device, peaks={}, max_batch={})
+    path = args.out or os.path.join(OUT, "gpu_accuracy_small.json" if args.small else "gpu_accuracy.json")
     if not args.no_peaks:
         for name in models:
             spec, kw = sizes[name]
@@ -221,6 +229,7 @@ def main(argv=None) -> int:
                 rows.append({"plan": plan, **r})
                 print(name, plan, {k: r.get(k) for k in ("predicted_tensors", "predicted_calibrated", "measured",
                                                           "error")}, flush=True)
+                _write(results, path)
     if not args.no_max_batch:
         from ckptopt.units import parse_bytes
 
@@ -239,10 +248,7 @@ def main(argv=None) -> int:
                                   stored=fit["stored"], memory_bytes=memory, device=device))
                 entry["runs"].append(dict(strategy=strategy, batch=fit["batch"], predicted=fit["peak_bytes"], **run))
                 print(name, strategy, fit["batch"], run, flush=True)
-    os.makedirs(OUT, exist_ok=True)
-    path = os.path.join(OUT, "gpu_accuracy_small.json" if args.small else "gpu_accuracy.json")
-    with open(path, "w") as fh:
-        json.dump(results, fh, indent=1)
+    _write(results, path)
     print("| model | plan | predicted (tensors) | predicted (calibrated) | measured | error before | error after |")
     print("|---|---|---|---|---|---|---|")
     for name, rows in results["peaks"].items():

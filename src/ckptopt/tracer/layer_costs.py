@@ -303,7 +303,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                        static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
-        record["on_free"] = lambda: record.setdefault("out_freed", len(tracker.timeline))
+        # When the injected output gradient dies: a finalizer's callback, so it must not hold
+        # ``record`` (its "hold_out" keeps that gradient alive, and the finalizer registry would keep
+        # both, with the fake tensors' real shadows, for the life of the process).
+        out_freed: dict[str, int] = {}
+        record["on_free"] = lambda: out_freed.setdefault("at", len(tracker.timeline))
         if out_grad_layout is not None and main_output:
             record["layout"] = tuple(out_grad_layout)
         if not main_output_grad:
@@ -387,7 +391,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # the injected output gradient already gone (used up by ops that save nothing): with it
                 # went its whole storage, which in the model outlives it where that storage is larger (a
                 # slice of a concatenation's gradient whose other slices are still to be used)
-                first_unpack.append("out_freed" in record)
+                first_unpack.append("at" in out_freed)
             t = box.t
             if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
                 t = box.w()
@@ -588,7 +592,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # the output gradient held to the end of the backward (a side tensor's gradient
                 # viewing its storage keeps it): what that adds to the peak
                 gh = 0
-                freed, gbytes = record.get("out_freed"), record.get("grad_bytes", 0)
+                freed, gbytes = out_freed.get("at"), record.get("grad_bytes", 0)
                 if freed is not None and gbytes:
                     live = [e[2] for e in timeline[k0:]] or [backward_start]
                     held = [v + (gbytes if k0 + k >= freed else 0) for k, v in enumerate(live)]

@@ -1,0 +1,156 @@
+"""Where a CUDA step's allocated bytes part from the tensor model: op by op, allocator against tracker.
+
+For each case (a model of ``gpu_models.py`` or ``gpu_accuracy.py``, a plan), in a fresh
+process: ``optimize_checkpoints(model, batch, calibrate=False)`` (the tensor model's plan and
+prediction; ``--plan none`` runs the model unmodified), one warm-up step, then one step under
+two dispatch modes: ckptopt's exact :class:`~ckptopt.tracker.StorageTracker` (live tensor
+storages) and a mode that reads, around every ATen op, ``torch.cuda.memory_allocated`` before
+and after and ``max_memory_allocated`` during it (peak stats reset before each op). So each
+op has the allocator's bytes, the allocator's peak inside the op, and the tracker's live
+tensor bytes, forward, backward and recomputation alike.
+
+Writes one JSON per case (``--out-dir``): the prediction, the tracker's peak, the
+allocated peak, the op where each peaks, the per-op series, and the ops where the
+allocator's peak inside an op exceeds the tracker's live bytes most.
+
+    PYTHONPATH=src python benchmarks/gpu_gap.py --out-dir /tmp/gap GPTNeoXForCausalLM:ckptopt hf-llama:none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def _load(name: str, device: str):
+    import gpu_accuracy
+    import gpu_models
+
+    if name in gpu_models.MODELS:
+        suite = gpu_models.MODELS[name]
+        return suite.build_model(name).to(device), gpu_models._to(suite.make_batch(name), device), gpu_models._loss_fn(name)
+    spec, kw = gpu_accuracy.GPU_SIZES[name]
+    return gpu_accuracy._load(spec, kw, device)
+
+
+def run_case(name: str, plan: str, device: str) -> dict:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ckptopt import optimize_checkpoints
+    from ckptopt.measure import measure_peak_detailed
+    from ckptopt.tracker import StorageTracker
+
+    cuda = device.startswith("cuda")
+    model, batch, loss_fn = _load(name, device)
+    rec: dict = dict(model=name, plan=plan, device=device)
+    module = model
+    if plan != "none":
+        module = optimize_checkpoints(model, batch, loss_fn=loss_fn, calibrate=False)
+        rec.update(predicted_peak_bytes=int(module.predicted_peak_bytes), checkpoints=list(module.plan.checkpoints),
+                   layers=module.traced.n)
+    measure_peak_detailed(module, batch, loss_fn)  # warm-up
+    rows: list = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            out = func(*args, **(kwargs or {}))
+            during = torch.cuda.max_memory_allocated() if cuda else 0
+            after = torch.cuda.memory_allocated() if cuda else 0
+            rows.append((str(func), before, during, after, tracker.current_bytes))
+            return out
+
+    call = module if not isinstance(batch, dict) else None
+    module.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    start_alloc = torch.cuda.memory_allocated() if cuda else 0
+    tracker = StorageTracker()
+    tracker.register(module, *(batch.values() if isinstance(batch, dict) else batch))
+    start_tracked = tracker.current_bytes
+    with tracker, Probe():
+        out = module(**batch) if call is None else module(*batch)
+        loss = loss_fn(out) if loss_fn else out.loss
+        del out
+        loss.backward()
+        del loss
+    if cuda:
+        torch.cuda.synchronize()
+    module.zero_grad(set_to_none=True)
+    peak_i = max(range(len(rows)), key=lambda i: rows[i][2])
+    tpeak_i = max(range(len(rows)), key=lambda i: rows[i][4])
+    gaps = sorted(range(len(rows)), key=lambda i: rows[i][2] - rows[i][4], reverse=True)[:30]
+    rec.update(
+        start_allocated=start_alloc, start_tracked=start_tracked, tracker_peak_bytes=tracker.peak_bytes,
+        allocated_peak_bytes=rows[peak_i][2], allocated_peak_op=[peak_i, *rows[peak_i]],
+        tracker_peak_op=[tpeak_i, *rows[tpeak_i]],
+        largest_gaps=[[i, *rows[i]] for i in gaps],
+        ops=len(rows), series=rows, torch=torch.__version__)
+    return rec
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        name, plan, device, path = sys.argv[2:6]
+        try:
+            rec = run_case(name, plan, device)
+        except BaseException as exc:  # noqa: BLE001 - recorded
+            rec = dict(model=name, plan=plan, error=f"{type(exc).__name__}: {exc}"[:2000],
+                       traceback=traceback.format_exc()[-4000:])
+        with open(path, "w") as fh:
+            json.dump(rec, fh)
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="+", help="MODEL:PLAN, PLAN 'ckptopt' (the tensor model's plan) or 'none'")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    procs = []
+    for case in args.cases:
+        name, plan = case.split(":")
+        path = os.path.join(args.out_dir, f"gap_{name}_{plan}.json")
+        procs.append((case, path, time.perf_counter(), subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child", name, plan, args.device, path], env=env)))
+    for case, path, t0, p in procs:
+        try:
+            p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            print(case, "timeout", flush=True)
+            continue
+        try:
+            with open(path) as fh:
+                r = json.load(fh)
+        except (OSError, ValueError):
+            print(case, "no result, exit", p.returncode, flush=True)
+            continue
+        if "error" in r:
+            print(case, "ERROR", r["error"][:300], flush=True)
+            continue
+        mib = 2 ** 20
+        print(f"{case}: predicted {r.get('predicted_peak_bytes', 0) / mib:.1f} tracker {r['tracker_peak_bytes'] / mib:.1f}"
+              f" allocated {r['allocated_peak_bytes'] / mib:.1f} MiB; start allocated {r['start_allocated'] / mib:.1f}"
+              f" tracked {r['start_tracked'] / mib:.1f}; allocated peak at {r['allocated_peak_op']};"
+              f" tracker peak at {r['tracker_peak_op']}", flush=True)
+        for g in r["largest_gaps"][:8]:
+            print(f"   gap {(g[3] - g[5]) / mib:8.1f} MiB at op {g[0]} {g[1]} (before {g[2] / mib:.1f}, during "
+                  f"{g[3] / mib:.1f}, after {g[4] / mib:.1f}, tracked {g[5] / mib:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""The HF families and diffusers models on a GPU: ckptopt, calibrated and not, against the peers' checkpointing.
+
+The eight models of ``hf_families.py`` (T5, BART, Whisper, CLIP, GPT-NeoX) and
+``diffusers_models.py`` (UNet2DConditionModel, AutoencoderKL, SD3Transformer2DModel), built
+and batched exactly as those scripts build them (same configs, seeds and batches; the
+transformers models' own ``.loss``, the diffusers models' ``out.sample.float().pow(2).mean()``),
+moved to ``--device``. Four ways to train each, every one in a fresh process (leftover
+tensors and allocator state of an earlier case would inflate ``max_memory_allocated``):
+
+* ``none``: the model as it is;
+* ``peer``: transformers' ``activation_checkpointing_enable`` (non-reentrant) or diffusers'
+  ``enable_gradient_checkpointing()``;
+* ``ckptopt``: ``optimize_checkpoints(model, batch)``, default arguments (on CUDA this
+  calibrates: library workspaces and allocator scratch join the prediction,
+  :mod:`ckptopt.calibration`);
+* ``ckptopt-tensors``: the same with ``calibrate=False`` (the tensor model alone).
+
+Per case: one warm-up step (lazy library state, as in training), then the peak of one step
+(``measure_peak_detailed``: ``torch.cuda.max_memory_allocated`` and ``..._reserved`` on
+CUDA), the median seconds of three more steps, and for the ckptopt ways the prediction,
+its error (``prediction_error``: predicted / measured - 1), the plan, and one step against a fresh unmodified
+build (same seed right before each forward): loss and every gradient (max absolute
+difference; CUDA kernels need not be bit-reproducible, so "identical" is reported, not
+required).
+
+``--jobs`` cases run at once (memory figures are per process; calibration's timings, which
+only price recomputation, share the GPU with the other cases). Writes ``--out``
+(default ``benchmarks/results/gpu_models.json``) after every case and prints a table.
+
+    PYTHONPATH=src python benchmarks/gpu_models.py --device cuda --jobs 6
+    python benchmarks/gpu_models.py --device cpu --only GPTNeoXForCausalLM --jobs 2   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import diffusers_models  # noqa: E402
+import hf_families  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+WAYS = ("none", "peer", "ckptopt", "ckptopt-tensors")
+MODELS = {**{n: hf_families for n in hf_families.CONFIGS}, **{n: diffusers_models for n in diffusers_models.CONFIGS}}
+
+
+def _loss_fn(name: str):
+    return diffusers_models.loss_fn if MODELS[name] is diffusers_models else None
+
+
+def _to(batch: dict, device: str) -> dict:
+    import torch
+
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _one_step(module, batch: dict, loss_fn, seed: int = 1234):
+    import torch
+
+    module.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = module(**batch)
+    loss = loss_fn(out) if loss_fn else out.loss
+    loss.backward()
+    return loss.detach()
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _same_training(module, name: str, batch: dict, loss_fn, device: str) -> dict:
+    """One step of ``module`` against one step of a fresh unmodified build (same seed, same batch)."""
+    import torch
+
+    ref = MODELS[name].build_model(name).to(device)
+    la = _one_step(module, batch, loss_fn)
+    ga = {k: p.grad.detach().clone() for k, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    lb = _one_step(ref, batch, loss_fn)
+    worst, identical, missing = 0.0, torch.equal(la, lb), []
+    for key, p in ref.named_parameters():
+        g, h = p.grad, ga.get(key)
+        if g is None and h is None:
+            continue
+        if g is None or h is None or g.shape != h.shape:
+            missing.append(key)
+            continue
+        worst = max(worst, (g - h).abs().max().item())
+        identical = identical and torch.equal(g, h)
+    return dict(loss_ckptopt=la.item(), loss_unmodified=lb.item(), loss_abs_diff=abs(la.item() - lb.item()),
+                grad_max_abs_diff=worst, bit_identical=identical and not missing, grads_missing=missing)
+
+
+def run_case(name: str, way: str, device: str) -> dict:
+    import torch
+
+    from ckptopt import optimize_checkpoints
+    from ckptopt.measure import measure_peak_detailed
+    from hf_models import hf_checkpointing_enable
+
+    suite, loss_fn = MODELS[name], _loss_fn(name)
+    rec: dict = dict(model=name, way=way, device=device)
+    t0 = time.perf_counter()
+    model = suite.build_model(name).to(device)
+    batch = _to(suite.make_batch(name), device)
+    module = model
+    if way == "peer":
+        if suite is hf_families:
+            hf_checkpointing_enable(model)
+        else:
+            model.enable_gradient_checkpointing()
+    elif way in ("ckptopt", "ckptopt-tensors"):
+        t = time.perf_counter()
+        module = optimize_checkpoints(model, batch, loss_fn=loss_fn, calibrate=None if way == "ckptopt" else False)
+        cal = module.traced.calibration
+        rec.update(plan_seconds=round(time.perf_counter() - t, 2), predicted_peak_bytes=int(module.predicted_peak_bytes),
+                   checkpoints=list(module.plan.checkpoints), stored=list(module.plan.stored),
+                   solver=module.plan.solver, layers=module.traced.n, calibrated=cal is not None,
+                   workspace_bytes=cal.workspace_bytes if cal is not None else None,
+                   layers_calibrated=cal.measured if cal is not None else None)
+    elif way != "none":
+        raise ValueError(way)
+    measure_peak_detailed(module, batch, loss_fn)  # warm-up step
+    m = measure_peak_detailed(module, batch, loss_fn)
+    rec.update(measured_peak_bytes=int(m.peak_bytes),
+               reserved_bytes=int(m.reserved_bytes) if m.reserved_bytes is not None else None)
+    if "predicted_peak_bytes" in rec:
+        rec["prediction_error"] = rec["predicted_peak_bytes"] / rec["measured_peak_bytes"] - 1
+    times = []
+    for _ in range(3):
+        _sync(device)
+        t = time.perf_counter()
+        _one_step(module, batch, loss_fn)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    module.zero_grad(set_to_none=True)
+    rec["step_seconds"] = statistics.median(times)
+    if way.startswith("ckptopt"):
+        rec["same_training"] = _same_training(module, name, batch, loss_fn, device)
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    rec["torch"] = torch.__version__
+    return rec
+
+
+def _child(name: str, way: str, device: str, path: str) -> None:
+    warnings.filterwarnings("ignore")
+    try:
+        rec = run_case(name, way, device)
+    except BaseException as exc:  # noqa: BLE001 - a failing case is recorded
+        rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000],
+                   traceback=traceback.format_exc()[-4000:])
+    with open(path, "w") as fh:
+        json.dump(rec, fh, default=str)
+
+
+def run_isolated(name: str, way: str, device: str, timeout: float) -> dict:
+    fd, path = tempfile.mkstemp(prefix="gpu_models_", suffix=".json")
+    os.close(fd)
+    t0 = time.perf_counter()
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, device, path]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True,
+                              env=env)
+        rc, tail = proc.returncode, proc.stdout[-2000:]
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        rc, tail = None, (out.decode(errors="replace") if isinstance(out, bytes) else out)[-2000:]
+    try:
+        with open(path) as fh:
+            rec = json.load(fh)
+    except (OSError, ValueError):
+        rec = dict(model=name, way=way, error=f"timeout after {timeout:.0f} s" if rc is None
+                   else f"process exited with code {rc}", output_tail=tail)
+    finally:
+        os.unlink(path)
+    rec["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    return rec
+
+
+def _table(cases: dict) -> str:
+    mib = 2.0 ** 20
+
+    def m(c):
+        return f"{c['measured_peak_bytes'] / mib:.1f}" if c and "measured_peak_bytes" in c else "error"
+
+    def err(c):
+        return f"{100 * c['prediction_error']:+.2f}%" if c and c.get("prediction_error") is not None else "–"
+
+    lines = ["| model | none MiB | peer MiB | ckptopt MiB | ckptopt/peer | error calibrated | tensors-only MiB "
+             "| error tensors-only | steps s (none / peer / ckptopt) | grad max diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in MODELS:
+        c = {w: cases.get((name, w)) for w in WAYS}
+        if not any(c.values()):
+            continue
+        ck, peer = c["ckptopt"], c["peer"]
+        ratio = (f"×{ck['measured_peak_bytes'] / peer['measured_peak_bytes']:.3f}"
+                 if ck and peer and "measured_peak_bytes" in ck and "measured_peak_bytes" in peer else "–")
+        st = " / ".join(f"{c[w]['step_seconds']:.3f}" if c[w] and "step_seconds" in c[w] else "–"
+                        for w in ("none", "peer", "ckptopt"))
+        diff = (f"{ck['same_training']['grad_max_abs_diff']:.2e}" if ck and "same_training" in ck else "–")
+        lines.append(f"| {name} | {m(c['none'])} | {m(peer)} | {m(ck)} | {ratio} | {err(ck)} "
+                     f"| {m(c['ckptopt-tensors'])} | {err(c['ckptopt-tensors'])} | {st} | {diff} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(*sys.argv[2:6])
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", help="comma-separated class names: " + ",".join(MODELS))
+    ap.add_argument("--ways", default=",".join(WAYS))
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case (default 600)")
+    ap.add_argument("--out", default=os.path.join(OUT, "gpu_models.json"))
+    args = ap.parse_args()
+    from _common import run_metadata
+
+    names = args.only.split(",") if args.only else list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    ways = args.ways.split(",")
+    # the ckptopt cases take longest: start them first
+    todo = sorted(((n, w) for n in names for w in ways), key=lambda nw: (not nw[1].startswith("ckptopt"),))
+    meta = run_metadata("gpu_models")
+    try:
+        import torch
+
+        if args.device.startswith("cuda"):
+            meta["gpu"] = torch.cuda.get_device_name()
+        import diffusers
+        import transformers
+
+        meta.update(transformers=transformers.__version__, diffusers=diffusers.__version__)
+    except Exception as exc:  # noqa: BLE001 - metadata only
+        meta["versions_error"] = repr(exc)
+    cases: dict = {}
+    lock = threading.Lock()
+
+    def one(nw):
+        rec = run_isolated(*nw, args.device, args.timeout)
+        with lock:
+            cases[nw] = rec
+            shown = (f"{rec['measured_peak_bytes']:,} B" if "measured_peak_bytes" in rec
+                     else f"ERROR {rec.get('error', '')[:300]}")
+            if rec.get("prediction_error") is not None:
+                shown += f" predicted {rec['predicted_peak_bytes']:,} ({100 * rec['prediction_error']:+.2f}%)"
+            print(f"{nw[0]} {nw[1]}: {shown} [{rec['wall_seconds']:.0f} s]", flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as fh:
+                json.dump(dict(meta=meta, cases=[cases[k] for k in sorted(cases)]), fh, indent=1, default=str)
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(one, todo))
+    print(_table(cases))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
