@@ -103,12 +103,22 @@ def _restore(model, snap):
             b.copy_(snap[k])
 
 
+def _fake_objects() -> tuple[int, int]:
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    gc.collect()
+    objs = gc.get_objects()
+    return sum(isinstance(o, FakeTensorMode) for o in objs), sum(isinstance(o, FakeTensor) for o in objs)
+
+
 def check_random_model(spec: Spec, max_crossing: int | None = None) -> None:
     """Every check of the module docstring on one random model (traced with the default cuts, or
     ``max_crossing``: the regression cases below were found with single-tensor cuts)."""
     model, x = build(spec)
     model.train()
+    fakes = _fake_objects()
     tm = trace(model, (x,)) if max_crossing is None else trace(model, (x,), max_crossing=max_crossing)
+    assert _fake_objects() == fakes, "the trace left fake tensors (or their mode) alive"
     solvers = ["dp", "dp2"] + (["brute"] if tm.n <= 20 else [])
     plans = {name: solve(tm.costs, name) for name in solvers}
     optimum = {p.peak_bytes for p in plans.values()}
@@ -1058,14 +1068,6 @@ REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD = Spec(family='conv', d
 def test_regression_an_output_gradient_that_outlives_the_backward_is_measured_held():
     model, x, tm = _traced(REGRESSION_AN_OUTPUT_GRADIENT_THAT_OUTLIVES_THE_BACKWARD, 91550067)
     _assert_exact_by_phase(model, x, tm, [(1, 3, 4, 5, 6, 7), (1, 3, 4, 5, 6, 9), (1, 4, 5, 8), (2, 4, 5), ()])
-
-
-def _fake_objects() -> tuple[int, int]:
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    gc.collect()
-    objs = gc.get_objects()
-    return sum(isinstance(o, FakeTensorMode) for o in objs), sum(isinstance(o, FakeTensor) for o in objs)
 
 
 def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():

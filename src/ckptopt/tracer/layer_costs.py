@@ -303,10 +303,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                                        static_inputs)
         cast_bytes, cast_ptrs = storage_bytes(casts, exclude=param_ptrs | buffer_ptrs, fake=fake)
         record: dict[str, Any] = {}  # what the backward tells about the output and input gradients
-        # When the injected output gradient dies: a finalizer's callback, so it must not hold
-        # ``record`` (its "hold_out" keeps that gradient alive, and the finalizer registry would keep
-        # both, with the fake tensors' real shadows, for the life of the process).
-        out_freed: dict[str, int] = {}
+        out_freed: dict[str, int] = {}  # (not in ``record``: its "hold_out" would keep the gradient alive)
         record["on_free"] = lambda: out_freed.setdefault("at", len(tracker.timeline))
         if out_grad_layout is not None and main_output:
             record["layout"] = tuple(out_grad_layout)
@@ -733,7 +730,7 @@ def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: t
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         packed.append(len(tracker.timeline))
-        return t
+        return t.detach()  # (a saved output returned as itself: a cycle through its grad_fn, never freed)
 
     hooks = torch.autograd.graph.saved_tensors_hooks(keep if keep_saves else (lambda t: None), lambda t: t)
     try:
