@@ -1081,6 +1081,25 @@ def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():
     assert _fake_objects() == before
 
 
+# Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 163571349: a product of two side tensors (a
+# convolution's output and the dropout of it), both let go at once when the product's saved tensors
+# are released. Their release splits are chained (tracer/layers.py, _chain_splits), the second's
+# "before" raised by the first's bytes. Where a checkpointed segment holding the dropout kept the
+# convolution's output in its frame, that output was already in the bytes, and the chain counted it
+# again: 6,136 B over (17%) on 5 of 28 plans. Chained now with the member an earlier segment may hold last.
+REGRESSION_A_HELD_OPERAND_CHAINED_FIRST = Spec(family='conv', dtype='float32', batch=4, shape=(4, 4, 4), nodes=(
+    Node(op='up', inputs=(0,), width=0, inplace=''), Node(op='gelu', inputs=(1,), width=0, inplace=''),
+    Node(op='conv1', inputs=(2,), width=6, inplace=''), Node(op='dropout', inputs=(3,), width=0, inplace=''),
+    Node(op='mul', inputs=(3, 4), width=0, inplace=''), Node(op='add', inputs=(5, 4), width=0, inplace=''),
+    Node(op='avgpool', inputs=(6,), width=0, inplace='')),
+    classes=3, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_a_side_tensor_held_by_a_checkpoint_is_last_in_its_release_chain():
+    model, x, tm = _traced(REGRESSION_A_HELD_OPERAND_CHAINED_FIRST, 163571349)
+    _assert_exact_by_phase(model, x, tm, [(3, 4), (1, 3, 4), (3, 5), (1, 3, 5), (1, 3), ()])
+
+
 # Issue-19 fuzz (run on 2475ee0, replayed 2026-11-26, fifth session), seed 1010731505: a GroupNorm whose
 # output (a side tensor, the layer's only output) is concatenated along channels with a BatchNorm
 # output later; the concatenation hands it a strided channel slice of its gradient, which the

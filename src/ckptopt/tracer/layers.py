@@ -315,14 +315,25 @@ class _Found:
         peak before is theirs together (a product of two side tensors was under by one of them). The
         k-th adds ``f(x_1 + .. + x_k) - f(x_1 + .. + x_k-1)``, ``f(x) = max(pre + x, post)`` (its
         split's ``pre`` raised by the ones before it): all held, exactly theirs together; some not held
-        by the segment, at least their own (``f`` is convex), never under."""
+        by the segment, at least their own (``f`` is convex), never under. Chained in the order of
+        :meth:`_may_be_held`: one an earlier segment holds is in the bytes already, and counted again
+        by every member after it (6,136 B over where a checkpoint's frame held the first of two
+        operands of a product); last in the chain, it is skipped and the others are exact."""
         for j, members in self.together:
             pre, post = self.release[(members[0], j)]
             before = 0
-            for t in members:
+            # the ones an earlier segment may hold (a reader before j, or the producer saves it) last:
+            # held, one is in the bytes already, and those after it in the chain would count it again
+            for t in sorted(members, key=lambda t, j=j: self._may_be_held(streams, t, j)):
                 self.release[(t, j)] = (pre + before, post)
                 before += storage_nbytes(values[streams.nodes[t]])
         self.together = []
+
+
+    def _may_be_held(self, streams: Streams, t: int, j: int) -> tuple:
+        """How likely side tensor ``t`` is held by a segment before layer ``j``'s (its chain order)."""
+        early = sum(1 for u in streams.consumers[t] if u < j)
+        return early + (streams.producer[t] in self.saved[t]), -streams.producer[t]
 
 
 def _merge_early(groups: dict[tuple, list], n: int) -> dict[tuple, list]:
