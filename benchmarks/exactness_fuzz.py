@@ -26,7 +26,7 @@ not seeded: each run sees other models::
     python benchmarks/exactness_fuzz.py --minutes 10 --seed 0 --family stream
 
 ``--replay`` replays, on the current code, every model recorded as inexact in the given result
-files (each spec and seed once) with its recorded plans and ``--plans`` random plans (seeded, no
+files (a fuzz run's, or a replay's own output: the plans it found inexact; each spec and seed once) with its recorded plans and ``--plans`` random plans (seeded, no
 stored segments), and prints each model's inexact plans (measured minus predicted, the phase and
 layer the prediction peaks in); ``--out`` then gets one record per model::
 
@@ -83,7 +83,12 @@ def replay(paths: list, n_plans: int, out: str) -> int:
 
     models: dict = {}
     for path in paths:
-        for c in json.loads(Path(path).read_text())["cases"]:
+        data = json.loads(Path(path).read_text())
+        # (a replay's own output: its models' inexact plans, as cases)
+        cases = data["cases"] if "cases" in data else [
+            dict(spec=m["spec"], seed=m["seed"], n=m["n"], checkpoints=c["checkpoints"], stored=c["stored"])
+            for m in data["models"] for c in m["inexact"]]
+        for c in cases:
             plans = models.setdefault((c["spec"], c["seed"]), dict(source=Path(path).name, plans=set()))["plans"]
             plans.add((c["n"], tuple(c["checkpoints"]), tuple(c["stored"])))
     records = []
