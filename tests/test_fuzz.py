@@ -1081,6 +1081,26 @@ def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():
     assert _fake_objects() == before
 
 
+# Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 974769144: a layer (addition, convolution,
+# concatenation, convolution, dropout, addition, dropout) that reads two side tensors last and saves
+# neither. Where nothing else holds it, one dies at the concatenation, before the layer's peak; the
+# forward was run again with the side input dying only where a single one did, so neither gain was
+# taken: 1,536 B over (3%) on every plan that does not recompute it, the empty plan too. Each now
+# dies alone in its own run, and the largest gain goes to its input.
+REGRESSION_TWO_SIDE_INPUTS_DIE_IN_ONE_LAYER = Spec(family='conv', dtype='float32', batch=2, shape=(3, 8, 8), nodes=(
+    Node(op='conv3', inputs=(0,), width=6, inplace=''), Node(op='cat', inputs=(0, 1), width=0, inplace='dropout_'),
+    Node(op='cat', inputs=(0, 1), width=0, inplace=''), Node(op='gelu', inputs=(3,), width=0, inplace=''),
+    Node(op='add', inputs=(4, 3), width=0, inplace='dropout_'), Node(op='add', inputs=(5, 2), width=0, inplace=''),
+    Node(op='conv3', inputs=(6,), width=7, inplace=''), Node(op='cat', inputs=(7, 4), width=0, inplace=''),
+    Node(op='conv3', inputs=(8,), width=5, inplace='dropout_'), Node(op='add', inputs=(2, 5), width=0, inplace='dropout_')),
+    classes=2, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_each_side_input_dying_in_a_layer_is_measured_dying():
+    model, x, tm = _traced(REGRESSION_TWO_SIDE_INPUTS_DIE_IN_ONE_LAYER, 974769144)
+    _assert_exact_by_phase(model, x, tm, [(), (1, 2, 4), (1, 3), (1, 4), (1, 2, 6), (1, 7)])
+
+
 # Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 163571349: a product of two side tensors (a
 # convolution's output and the dropout of it), both let go at once when the product's saved tensors
 # are released. Their release splits are chained (tracer/layers.py, _chain_splits), the second's

@@ -601,20 +601,20 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                fake, dev)
         fc, ffc = _forward_pass(*run, keep_saves=False)[:2] if packs else (None, None)
         # a side input this layer reads last and does not save dies at its last use inside it where
-        # nothing else holds it (the plan decides): what the forward peak gains then, for one such input
+        # nothing else holds it (the plan decides): what the forward peak gains then. With several,
+        # each dies alone and the largest gain goes to its input only (more dying lowers it further)
         last_gain = [0] * len(side_inputs)
         dying = [k for k, last in enumerate(side_last) if last and side_ptrs[k] not in saved]
-        if len(dying) == 1 and freeing is not None:
-            (k,) = dying
+        ref = [forward_peak - start, forward_peak0 - start] + ([last_pack[0] - start, last_pack[1] - start]
+                                                               if packs else [])
+        for k in dying if freeing is not None else ():
             held, free, pheld, pfree = _forward_pass(*run, keep_saves=True, drop_side=k)
-            # (one figure for the forward with the input held or not, and for a recomputation that
-            # stops at the last pack: the largest of the changes, never below what any of them saw)
-            ref = [forward_peak - start, forward_peak0 - start]
-            new = [held, free]
-            if packs:
-                ref += [last_pack[0] - start, last_pack[1] - start]
-                new += [pheld, pfree]
-            last_gain[k] = min(0, max(v - w for v, w in zip(new, ref)))
+            # (held or not, and a recomputation to the last pack: the largest change any of them saw)
+            new = [held, free] + ([pheld, pfree] if packs else [])
+            gain = min(0, max(v - w for v, w in zip(new, ref)))
+            if gain < min(last_gain):
+                last_gain = [0] * len(side_inputs)
+                last_gain[k] = gain
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
