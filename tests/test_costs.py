@@ -163,3 +163,10 @@ def test_a_side_tensors_last_gain_round_trips_and_must_not_be_positive():
     assert ChainCosts.from_json(c.to_json()).side[0].last_gain == -8
     with pytest.raises(InvalidCosts, match="last_gain 4 is not an integer at most 0"):
         ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain=4)])
+    # the whole forward's figure beside it: round-trips, None when it is last_gain, never positive
+    c = ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain=0, last_gain_full=-8)])
+    assert ChainCosts.from_json(c.to_json()).side[0].last_gain_full == -8
+    assert c.side_arrays.sdief.tolist() == [-8] and c.side_arrays.sdie.tolist() == [0]
+    assert ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain=-8)]).side_arrays.sdief.tolist() == [-8]
+    with pytest.raises(InvalidCosts, match="last_gain_full 4 is not an integer at most 0"):
+        ChainCosts(**base, side=[dict(bytes=8, producer=0, consumers=[2], last_gain_full=4)])

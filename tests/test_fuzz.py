@@ -1081,6 +1081,28 @@ def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():
     assert _fake_objects() == before
 
 
+# Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 780222873: a layer (GroupNorm, ReLU,
+# upsampling) reads a side tensor last, saves it not, and the tensor dies at the GroupNorm in the
+# model, before the upsampling's peak. Run again with it dying, the whole forward's peak fell by
+# 2,048 B, but a recomputation that stops at the layer's last saved tensor saw no change, and one
+# figure (the smaller change) served both: 1,880 B over (13%) where the layer runs whole. The whole
+# forward now has its own figure, SideTensor.last_gain_full.
+REGRESSION_A_DYING_SIDE_INPUTS_GAIN_IN_THE_WHOLE_FORWARD = Spec(family='conv', dtype='float64', batch=4,
+    shape=(2, 4, 4), nodes=(
+        Node(op='dropout', inputs=(0,), width=0, inplace=''), Node(op='conv3', inputs=(1,), width=2, inplace=''),
+        Node(op='relu', inputs=(1,), width=0, inplace=''), Node(op='cat', inputs=(3, 1), width=0, inplace=''),
+        Node(op='cat', inputs=(1, 2), width=0, inplace='relu_module'), Node(op='relu', inputs=(5,), width=0, inplace=''),
+        Node(op='gn', inputs=(5,), width=0, inplace=''), Node(op='relu_module_plain', inputs=(7,), width=0, inplace=''),
+        Node(op='up', inputs=(6,), width=0, inplace='')),
+    classes=4, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_a_dying_side_inputs_gain_in_the_whole_forward_is_its_own():
+    model, x, tm = _traced(REGRESSION_A_DYING_SIDE_INPUTS_GAIN_IN_THE_WHOLE_FORWARD, 780222873)
+    assert any(t.last_gain_full is not None and t.last_gain_full < t.last_gain for t in tm.costs.side)
+    _assert_exact_by_phase(model, x, tm, [(1, 4), (4,), ()])
+
+
 # Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 974769144: a layer (addition, convolution,
 # concatenation, convolution, dropout, addition, dropout) that reads two side tensors last and saves
 # neither. Where nothing else holds it, one dies at the concatenation, before the layer's peak; the

@@ -71,7 +71,11 @@ class SideTensor:
         At most 0: what its last consumer's forward peak changes by when nothing else holds it there
         (no save, no checkpoint call, no earlier segment): it dies at its last use inside that layer,
         which runs on after it (a concatenation that does not save it, then a BatchNorm). 0: unknown,
-        or no change.
+        or no change. It holds for every way the layer runs (a recomputation may stop at its last
+        saved tensor, before the tensor's last use): the smallest change of them.
+    last_gain_full : int or None
+        The same for the layer's whole forward (an unwrapped segment's, where it runs to its end),
+        at most 0; None: ``last_gain``.
     """
 
     bytes: int
@@ -85,6 +89,7 @@ class SideTensor:
     saved_post: tuple[int, ...] = ()
     grad_by: tuple[int, ...] = ()
     last_gain: int = 0
+    last_gain_full: int | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -132,6 +137,8 @@ class SideTensor:
             out["saved_post"] = [int(x) for x in self.saved_post]
         if self.last_gain:
             out["last_gain"] = int(self.last_gain)
+        if self.last_gain_full is not None and self.last_gain_full != self.last_gain:
+            out["last_gain_full"] = int(self.last_gain_full)
         return out
 
 
@@ -146,7 +153,7 @@ class SideArrays(NamedTuple):
     side gradients live through layer i's backward besides what it creates (pending ones, and
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
     triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
-    ``sdie``: its ``last_gain``.
+    ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None).
     """
 
     sa: np.ndarray
@@ -171,6 +178,7 @@ class SideArrays(NamedTuple):
     fpre: np.ndarray
     fpost: np.ndarray
     sdie: np.ndarray
+    sdief: np.ndarray
 
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
@@ -239,7 +247,8 @@ class SideArrays(NamedTuple):
         fq = list(fpost) if have else [0] * n
         hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
         arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
-                  svptr, svu, svpre, svpost, hasrel, fp, fq, [t.last_gain for t in side]]
+                  svptr, svu, svpre, svpost, hasrel, fp, fq, [t.last_gain for t in side],
+                  [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side]]
         out = []
         for x in arrays:
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -259,14 +268,14 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
-                                "saved_pre", "saved_post", "grad_by", "last_gain"}
+                                "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
                 t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
                                t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
                                tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
-                               tuple(t.get("grad_by", ())), t.get("last_gain", 0))
+                               tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -305,12 +314,16 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         gby = tuple(sorted(set(int(u) for u in t.grad_by)))
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
-        gain = t.last_gain
-        if isinstance(gain, bool) or not isinstance(gain, (int, np.integer)) or gain > 0:
-            raise InvalidCosts(f"{where}: last_gain {gain!r} is not an integer at most 0 (what its last consumer's "
-                               "forward peak changes by when it dies there)", field="side", index=k)
+        gain, full = t.last_gain, t.last_gain_full
+        for what, v in (("last_gain", gain), ("last_gain_full", full)):
+            if v is None and what == "last_gain_full":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v > 0:
+                raise InvalidCosts(f"{where}: {what} {v!r} is not an integer at most 0 (what its last consumer's "
+                                   "forward peak changes by when it dies there)", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
-                              pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain)))
+                              pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
+                              None if full is None else int(full)))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

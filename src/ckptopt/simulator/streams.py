@@ -8,8 +8,9 @@ consumer ``smax``), the holding rule:
   consumer's (to the end of a checkpointed consumer segment, whose call holds its
   arguments), and beyond while anything holds it; where nothing does (an unwrapped segment,
   a recomputation), it dies at its last use inside its last consumer, whose forward term then
-  changes by ``last_gain`` (``sdie``, at most 0; the first pass of a checkpointed segment that
-  makes it keeps the term with it, an over-prediction);
+  changes by ``last_gain_full`` (``sdief``, at most 0; ``last_gain``, ``sdie``, in a recomputation,
+  which may stop before that use; the first pass of a checkpointed segment that makes it keeps
+  the term with it, an over-prediction);
 * **holders**: a checkpointed segment that reads it and saves anything (its frame, let go
   with the backward of the segment's first saving layer); a layer of an unwrapped segment
   that saves it (let go with its backward). The producer's own checkpointed segment holds
@@ -155,7 +156,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
             if i <= fend or hold:
                 fadd[i] += sa
         if unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
-            fadd[smax] += SD.sdie[j]
+            fadd[smax] += SD.sdief[j]
         if hold:
             for i in range(l, e + 1):
                 radd[i] += sa
@@ -180,7 +181,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                     if i <= fend or hold:
                         fadd[i] += sa
                 if not hold and smax <= r:  # (it dies inside its last reader)
-                    fadd[smax] += SD.sdie[j]
+                    fadd[smax] += SD.sdief[j]
                 if hold:
                     for i in range(rho + 1, r + 1):
                         badd[i] += sa

@@ -61,6 +61,7 @@ class LayerMeasurement:
     holds: bool = False
     side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
     side_in_last_gain: tuple[int, ...] = ()  # per side input: the forward peak's change when it dies at its last use
+    side_in_last_gain_full: tuple[int, ...] = ()  # ... in the whole forward (not stopped at the last pack)
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
     side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
@@ -600,21 +601,19 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         run = (module, freeing, example_input, input_requires_grad, leaf_input, side_inputs, static_inputs, casts,
                fake, dev)
         fc, ffc = _forward_pass(*run, keep_saves=False)[:2] if packs else (None, None)
-        # a side input this layer reads last and does not save dies at its last use inside it where
-        # nothing else holds it (the plan decides): what the forward peak gains then. With several,
-        # each dies alone and the largest gain goes to its input only (more dying lowers it further)
-        last_gain = [0] * len(side_inputs)
+        # a side input this layer reads last and does not save dies at its last use inside it where nothing
+        # else holds it (the plan decides): the forward peak's largest change (input held or not; in all, a
+        # recomputation to the last pack too). With several, each dies alone; the largest gain goes to its own
+        last_gain, last_full = [0] * len(side_inputs), [0] * len(side_inputs)
         dying = [k for k, last in enumerate(side_last) if last and side_ptrs[k] not in saved]
-        ref = [forward_peak - start, forward_peak0 - start] + ([last_pack[0] - start, last_pack[1] - start]
-                                                               if packs else [])
+        ref = [forward_peak - start, forward_peak0 - start] + ([p - start for p in last_pack] if packs else [])
         for k in dying if freeing is not None else ():
             held, free, pheld, pfree = _forward_pass(*run, keep_saves=True, drop_side=k)
-            # (held or not, and a recomputation to the last pack: the largest change any of them saw)
-            new = [held, free] + ([pheld, pfree] if packs else [])
-            gain = min(0, max(v - w for v, w in zip(new, ref)))
-            if gain < min(last_gain):
-                last_gain = [0] * len(side_inputs)
-                last_gain[k] = gain
+            change = [v - w for v, w in zip([held, free] + ([pheld, pfree] if packs else []), ref)]
+            for gains, gain in ((last_gain, min(0, max(change))), (last_full, min(0, max(change[:2])))):
+                if gain < min(gains):
+                    gains[:] = [0] * len(side_inputs)
+                    gains[k] = gain
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
@@ -636,6 +635,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         fc=fc,
         ffc=ffc,
         side_in_last_gain=tuple(int(g) for g in last_gain),
+        side_in_last_gain_full=tuple(int(g) for g in last_full),
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),

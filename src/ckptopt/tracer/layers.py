@@ -241,14 +241,15 @@ class _Found:
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
     together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     # (saving layer, side tensors it lets go at one moment: the same split)
-    last_gain: dict[int, int] = dataclasses.field(default_factory=dict)
+    last_gain: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
+    # (in every way it runs, and in its whole forward)
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         split = []
-        for t, gain in zip(io.side_in, m.side_in_last_gain):
-            if gain:
-                self.last_gain[t] = gain
+        for t, gain, full in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain):
+            if gain or full:
+                self.last_gain[t] = (gain, full)
         for t, saved, rel in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in)):
             if saved:
                 self.saved[t].add(j)
@@ -305,7 +306,7 @@ class _Found:
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else (),
-                                   self.last_gain.get(t, 0)))
+                                   *self.last_gain.get(t, (0, None))))
         return side
 
 
