@@ -1081,6 +1081,26 @@ def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():
     assert _fake_objects() == before
 
 
+# Issue-19 fuzz (run on 585940b, sixth session of 2026-11-26), seed 701513939: a GroupNorm whose only
+# output is a side tensor gets its gradient from an addition, which passes on a slice of a later
+# concatenation's gradient; the GroupNorm's backward copies it first. The layout was taken only from
+# a layer that hands the slice out itself (the concatenation, which does not read the tensor):
+# 40-48 B UNDER (0.25%) on 5 plans, the same on the session's starting code. Now from the last layer
+# that adds to its gradient too.
+REGRESSION_A_SLICE_PASSED_ON_THROUGH_AN_ADDITION = Spec(family='conv', dtype='float32', batch=5, shape=(2, 8, 8),
+    nodes=(Node(op='conv1', inputs=(0,), width=4, inplace=''), Node(op='avgpool', inputs=(1,), width=0, inplace=''),
+           Node(op='gn', inputs=(2,), width=0, inplace=''), Node(op='dropout', inputs=(3,), width=0, inplace=''),
+           Node(op='bn', inputs=(4,), width=0, inplace=''), Node(op='avgpool', inputs=(1,), width=0, inplace=''),
+           Node(op='add', inputs=(6, 3), width=0, inplace=''), Node(op='cat', inputs=(7, 6), width=0, inplace=''),
+           Node(op='gelu', inputs=(8,), width=0, inplace=''), Node(op='gn', inputs=(9,), width=0, inplace='')),
+    classes=1, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_a_gradient_slice_passed_on_through_an_addition_keeps_its_layout():
+    model, x, tm = _traced(REGRESSION_A_SLICE_PASSED_ON_THROUGH_AN_ADDITION, 701513939)
+    _assert_exact_by_phase(model, x, tm, [(1, 3), (2,), ()])
+
+
 # Issue-19 fuzz (replayed 2026-11-26, sixth session), seed 780222873: a layer (GroupNorm, ReLU,
 # upsampling) reads a side tensor last, saves it not, and the tensor dies at the GroupNorm in the
 # model, before the upsampling's peak. Run again with it dying, the whole forward's peak fell by

@@ -540,13 +540,15 @@ def _lone_side_grad_layout(j: int, streams: Streams, layers: list[Layer], side: 
         if len(outs) != 1 or outs[0] < k0:
             continue
         t = io.side_out[outs[0] - k0]
-        u = side[t].grad_view
-        if u <= j or u >= len(layers) or t not in streams.io[u].side_in:
-            continue
-        lay = layers[u].costs.side_in_grad_layout
-        k = streams.io[u].side_in.index(t)
-        if k < len(lay) and lay[k] is not None:
-            return (int(nbytes), tuple(lay[k][0]), int(lay[k][1]))
+        # the layer whose storage it views, or the last that adds to it, which may pass that view on (an
+        # addition after a concatenation: a random model was 48 B under, its GroupNorm's copy not seen)
+        for u in (side[t].grad_view, side[t].grad_last):
+            if u <= j or u >= len(layers) or t not in streams.io[u].side_in:
+                continue
+            lay = layers[u].costs.side_in_grad_layout
+            k = streams.io[u].side_in.index(t)
+            if k < len(lay) and lay[k] is not None:
+                return (int(nbytes), tuple(lay[k][0]), int(lay[k][1]))
     return None
 
 
