@@ -196,19 +196,9 @@ def same_training(opt, name: str, batch: dict) -> dict:
     params_equal = all(torch.equal(p, ref_params[k]) for k, p in opt.named_parameters() if k in ref_params)
     la, ga = _one_step(opt, batch)
     lb, gb = _one_step(ref, batch)
-    worst, identical, missing = 0.0, torch.equal(la, lb), []
-    for key, g in gb.items():
-        h = ga.get(key)
-        if g is None and h is None:
-            continue
-        if g is None or h is None or g.shape != h.shape:
-            missing.append(key)
-            continue
-        worst = max(worst, (g - h).abs().max().item())
-        identical = identical and torch.equal(g, h)
-    return dict(loss_ckptopt=la.item(), loss_unmodified=lb.item(), loss_abs_diff=abs(la.item() - lb.item()),
-                grad_max_abs_diff=worst, grads_compared=len(gb) - len(missing), grads_missing=missing,
-                bit_identical=identical and not missing, params_equal_before=params_equal)
+    from _common import compare_steps
+
+    return {**compare_steps(la, ga, lb, gb), "params_equal_before": params_equal}
 
 
 def _peak_op(timeline) -> dict | None:

@@ -89,25 +89,14 @@ def _sync(device: str) -> None:
 
 def _same_training(module, name: str, batch: dict, loss_fn, device: str) -> dict:
     """One step of ``module`` against one step of a fresh unmodified build (same seed, same batch)."""
-    import torch
-
     ref = MODELS[name].build_model(name).to(device)
     la = _one_step(module, batch, loss_fn)
     ga = {k: p.grad.detach().clone() for k, p in module.named_parameters() if p.grad is not None}
     module.zero_grad(set_to_none=True)
     lb = _one_step(ref, batch, loss_fn)
-    worst, identical, missing = 0.0, torch.equal(la, lb), []
-    for key, p in ref.named_parameters():
-        g, h = p.grad, ga.get(key)
-        if g is None and h is None:
-            continue
-        if g is None or h is None or g.shape != h.shape:
-            missing.append(key)
-            continue
-        worst = max(worst, (g - h).abs().max().item())
-        identical = identical and torch.equal(g, h)
-    return dict(loss_ckptopt=la.item(), loss_unmodified=lb.item(), loss_abs_diff=abs(la.item() - lb.item()),
-                grad_max_abs_diff=worst, bit_identical=identical and not missing, grads_missing=missing)
+    from _common import compare_steps
+
+    return compare_steps(la, ga, lb, {k: p.grad for k, p in ref.named_parameters()})
 
 
 def run_case(name: str, way: str, device: str) -> dict:
