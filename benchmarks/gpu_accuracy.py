@@ -134,6 +134,12 @@ def max_batch_case(spec: str, kw: dict, memory: str, device: str) -> dict:
     return dict(result=mb.to_dict(), seconds=time.perf_counter() - t0)
 
 
+def _loss_of(module, x, loss):
+    """The step's loss; the model's output is not kept (the step ckptopt models)."""
+    out = module(*x) if isinstance(x, tuple) else module(**x)
+    return loss(out) if loss else out.loss
+
+
 def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, device: str) -> dict:
     import torch
 
@@ -143,8 +149,10 @@ def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, devi
     model, inputs, loss = _load(spec, kw, device)
     x = with_batch(inputs, batch, kw["batch_size"])
     if device.startswith("cuda"):
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), device)
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index  # (the call refuses a bare "cuda")
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
     if cps:
         tm = trace(model, x, loss_fn=loss)
         module = apply_plan(model, tm, _plan(tm.n, cps, st))
@@ -154,8 +162,9 @@ def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, devi
     try:
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
-            out = module(*x) if isinstance(x, tuple) else module(**x)
-            (loss(out) if loss else out.loss).backward()
+            # the modelled step: the output dies with the loss (a loop that keeps ``out`` through
+            # backward holds its bytes on top: RESULTS "Max batch on CUDA")
+            _loss_of(module, x, loss).backward()
             opt.step()
         if device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -1,8 +1,10 @@
 """Where a CUDA step's allocated bytes part from the tensor model: op by op, allocator against tracker.
 
 For each case (a model of ``gpu_models.py`` or ``gpu_accuracy.py``, a plan), in a fresh
-process: ``optimize_checkpoints(model, batch, calibrate=False)`` (the tensor model's plan and
-prediction; ``--plan none`` runs the model unmodified), one warm-up step, then one step under
+process: ``optimize_checkpoints(model, batch, calibrate=False)`` (plan ``ckptopt``: the tensor
+model's plan and prediction), ``optimize_checkpoints(model, batch)`` (plan ``calibrated``: the
+default; the calibration's per-layer scratch and both predicted timelines are written too) or
+the model unmodified (plan ``none``), one warm-up step, then one step under
 two dispatch modes: ckptopt's exact :class:`~ckptopt.tracker.StorageTracker` (live tensor
 storages) and a mode that reads, around every ATen op, ``torch.cuda.memory_allocated`` before
 and after and ``max_memory_allocated`` during it (peak stats reset before each op). So each
@@ -34,11 +36,39 @@ def _load(name: str, device: str):
     import gpu_accuracy
     import gpu_models
 
+    if "@" in name:  # a max-batch model of gpu_accuracy.py at a given batch: "gpt@48"
+        from ckptopt.planning import with_batch
+
+        base, batch = name.split("@")
+        spec, kw = gpu_accuracy.MAX_BATCH[base]
+        model, inputs, loss = gpu_accuracy._load(spec, kw, device)
+        return model, with_batch(inputs, int(batch), kw["batch_size"]), loss
     if name in gpu_models.MODELS:
         suite = gpu_models.MODELS[name]
         return suite.build_model(name).to(device), gpu_models._to(suite.make_batch(name), device), gpu_models._loss_fn(name)
     spec, kw = gpu_accuracy.GPU_SIZES[name]
     return gpu_accuracy._load(spec, kw, device)
+
+
+def _predicted_timelines(module) -> dict:
+    """The plan's predicted events, tensors only and (where calibrated) with scratch and workspace,
+    and the calibration's per-layer scratch: where the prediction puts the device's extra bytes."""
+    from ckptopt import simulate
+    from ckptopt.simulator import simulate_timeline
+
+    tm, cps, st = module.traced, module.plan.checkpoints, module.plan.stored
+    out: dict = dict(timeline_tensors=[(e.phase, e.layer, e.bytes) for e in simulate_timeline(tm.costs, cps, st)])
+    sim = simulate(tm.costs, cps, st)
+    out["peak_tensors"] = dict(bytes=sim.peak_bytes, phase=sim.phase, layer=sim.layer)
+    cal = tm.calibration
+    if cal is not None:
+        costs = cal.apply(tm.costs)
+        out["timeline_calibrated"] = [(e.phase, e.layer, e.bytes) for e in simulate_timeline(costs, cps, st)]
+        sim = simulate(costs, cps, st)
+        out["peak_calibrated"] = dict(bytes=sim.peak_bytes, phase=sim.phase, layer=sim.layer)
+        out.update(workspace_bytes=cal.workspace_bytes, forward_scratch=[c.forward_scratch for c in cal.layers],
+                   backward_scratch=[c.backward_scratch for c in cal.layers])
+    return out
 
 
 def run_case(name: str, plan: str, device: str) -> dict:
@@ -53,10 +83,20 @@ def run_case(name: str, plan: str, device: str) -> dict:
     model, batch, loss_fn = _load(name, device)
     rec: dict = dict(model=name, plan=plan, device=device)
     module = model
-    if plan != "none":
-        module = optimize_checkpoints(model, batch, loss_fn=loss_fn, calibrate=False)
+    if plan.startswith("cps="):  # given checkpoints, on the tensor model's trace
+        from ckptopt import Plan, apply_plan, trace
+
+        cps = tuple(int(c) for c in plan[4:].split("+") if c)
+        tm = trace(model, batch, loss_fn=loss_fn)
+        module = apply_plan(model, tm, Plan(cps, 0, "given", 0.0, tm.n, ()))
+        rec.update(checkpoints=list(cps), stored=[], layers=tm.n)
+        rec.update(_predicted_timelines(module))
+        rec["predicted_peak_bytes"] = rec["peak_tensors"]["bytes"]
+    elif plan != "none":
+        module = optimize_checkpoints(model, batch, loss_fn=loss_fn, calibrate=plan == "calibrated")
         rec.update(predicted_peak_bytes=int(module.predicted_peak_bytes), checkpoints=list(module.plan.checkpoints),
-                   layers=module.traced.n)
+                   stored=list(module.plan.stored), layers=module.traced.n)
+        rec.update(_predicted_timelines(module))
     measure_peak_detailed(module, batch, loss_fn)  # warm-up
     rows: list = []
 
@@ -112,7 +152,9 @@ def main() -> None:
             json.dump(rec, fh)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cases", nargs="+", help="MODEL:PLAN, PLAN 'ckptopt' (the tensor model's plan) or 'none'")
+    ap.add_argument("cases", nargs="+", help="MODEL:PLAN, PLAN 'ckptopt' (the tensor model's plan), 'calibrated' "
+                    "(the default, calibrated plan), 'cps=A+B+...' (given checkpoints) or 'none'; MODEL "
+                    "'NAME@B' is a max-batch model of gpu_accuracy.py at batch B")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--timeout", type=float, default=300.0)

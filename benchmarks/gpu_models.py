@@ -15,6 +15,9 @@ tensors and allocator state of an earlier case would inflate ``max_memory_alloca
   :mod:`ckptopt.calibration`);
 * ``ckptopt-tensors``: the same with ``calibrate=False`` (the tensor model alone).
 
+For the ckptopt ways on CUDA, also what planning itself took on the device above the model
+and its batch (peak, and what stayed allocated after it).
+
 Per case: one warm-up step (lazy library state, as in training), then the peak of one step
 (``measure_peak_detailed``: ``torch.cuda.max_memory_allocated`` and ``..._reserved`` on
 CUDA), the median seconds of three more steps, and for the ckptopt ways the prediction,
@@ -22,6 +25,9 @@ its error (``prediction_error``: predicted / measured - 1), the plan, and one st
 build (same seed right before each forward): loss and every gradient (max absolute
 difference; CUDA kernels need not be bit-reproducible, so "identical" is reported, not
 required).
+
+``--batch-scale K`` multiplies every model's batch by ``K`` (the benchmarks' small batches
+leave the libraries' fixed workspace a large share of a CUDA peak).
 
 ``--jobs`` cases run at once (memory figures are per process; calibration's timings, which
 only price recomputation, share the GPU with the other cases). Writes ``--out``
@@ -99,7 +105,12 @@ def _same_training(module, name: str, batch: dict, loss_fn, device: str) -> dict
     return compare_steps(la, ga, lb, {k: p.grad for k, p in ref.named_parameters()})
 
 
-def run_case(name: str, way: str, device: str) -> dict:
+def _default_batch(suite, name: str) -> int:
+    """The leading dimension of the model's default batch."""
+    return next(v.shape[0] for v in suite.make_batch(name).values() if hasattr(v, "shape") and v.dim())
+
+
+def run_case(name: str, way: str, device: str, scale: int = 1) -> dict:
     import torch
 
     from ckptopt import optimize_checkpoints
@@ -110,7 +121,9 @@ def run_case(name: str, way: str, device: str) -> dict:
     rec: dict = dict(model=name, way=way, device=device)
     t0 = time.perf_counter()
     model = suite.build_model(name).to(device)
-    batch = _to(suite.make_batch(name), device)
+    batch = _to(suite.make_batch(name, _default_batch(suite, name) * scale) if scale != 1 else suite.make_batch(name),
+                device)
+    rec["batch"] = {k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
     module = model
     if way == "peer":
         if suite is hf_families:
@@ -119,7 +132,15 @@ def run_case(name: str, way: str, device: str) -> dict:
             model.enable_gradient_checkpointing()
     elif way in ("ckptopt", "ckptopt-tensors"):
         t = time.perf_counter()
+        if device.startswith("cuda"):  # what planning itself takes on the device, above the model and batch
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         module = optimize_checkpoints(model, batch, loss_fn=loss_fn, calibrate=None if way == "ckptopt" else False)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+            rec.update(planning_peak_above_model_bytes=int(torch.cuda.max_memory_allocated() - held),
+                       planning_left_allocated_bytes=int(torch.cuda.memory_allocated() - held))
         cal = module.traced.calibration
         rec.update(plan_seconds=round(time.perf_counter() - t, 2), predicted_peak_bytes=int(module.predicted_peak_bytes),
                    checkpoints=list(module.plan.checkpoints), stored=list(module.plan.stored),
@@ -150,10 +171,10 @@ def run_case(name: str, way: str, device: str) -> dict:
     return rec
 
 
-def _child(name: str, way: str, device: str, path: str) -> None:
+def _child(name: str, way: str, device: str, path: str, scale: str = "1") -> None:
     warnings.filterwarnings("ignore")
     try:
-        rec = run_case(name, way, device)
+        rec = run_case(name, way, device, int(scale))
     except BaseException as exc:  # noqa: BLE001 - a failing case is recorded
         rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000],
                    traceback=traceback.format_exc()[-4000:])
@@ -161,13 +182,13 @@ def _child(name: str, way: str, device: str, path: str) -> None:
         json.dump(rec, fh, default=str)
 
 
-def run_isolated(name: str, way: str, device: str, timeout: float) -> dict:
+def run_isolated(name: str, way: str, device: str, timeout: float, scale: int = 1) -> dict:
     fd, path = tempfile.mkstemp(prefix="gpu_models_", suffix=".json")
     os.close(fd)
     t0 = time.perf_counter()
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, device, path]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, device, path, str(scale)]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True,
                               env=env)
@@ -216,7 +237,7 @@ def _table(cases: dict) -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(*sys.argv[2:6])
+        _child(*sys.argv[2:7])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -224,6 +245,7 @@ def main() -> None:
     ap.add_argument("--ways", default=",".join(WAYS))
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case (default 600)")
+    ap.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (default 1)")
     ap.add_argument("--out", default=os.path.join(OUT, "gpu_models.json"))
     args = ap.parse_args()
     from _common import run_metadata
@@ -236,6 +258,7 @@ def main() -> None:
     # the ckptopt cases take longest: start them first
     todo = sorted(((n, w) for n in names for w in ways), key=lambda nw: (not nw[1].startswith("ckptopt"),))
     meta = run_metadata("gpu_models")
+    meta["batch_scale"] = args.batch_scale
     try:
         import torch
 
@@ -251,7 +274,7 @@ def main() -> None:
     lock = threading.Lock()
 
     def one(nw):
-        rec = run_isolated(*nw, args.device, args.timeout)
+        rec = run_isolated(*nw, args.device, args.timeout, args.batch_scale)
         with lock:
             cases[nw] = rec
             shown = (f"{rec['measured_peak_bytes']:,} B" if "measured_peak_bytes" in rec

@@ -265,6 +265,73 @@ def test_max_batch_keeps_the_headroom_free():
     assert all(hr.needed(o.peak_bytes) <= memory for o in tp.options if o.checkpoints is not None)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**7), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.integers(1, 10**10))
+def test_usable_with_checkpoints_is_the_largest_peak_that_fits_their_share(workspace, fraction, ckpt, memory):
+    hr = Headroom(workspace, fraction, "given", ckpt)
+    for checkpointed, share in ((False, fraction), (True, ckpt)):
+        u = hr.usable(memory, checkpointed)
+        assert hr.needed(u + 1, checkpointed) > memory and (u == 0 or hr.needed(u, checkpointed) <= memory)
+        assert hr.needed(u, checkpointed) == Headroom(workspace, share, "given").needed(u)
+    assert Headroom(workspace, fraction, "given").usable(memory, True) == Headroom(workspace, fraction).usable(memory)
+    with pytest.raises(ValueError, match="fractions"):
+        Headroom(0, 0.1, "given", 1.0)
+
+
+def test_the_default_cuda_headroom_follows_the_allocator_setting(monkeypatch):
+    """Default allocator: 10%, 15% for a checkpointed plan (fragmentation measured on an H200);
+    expandable segments, read from the allocator's settings or the environment: 5% for both."""
+    from ckptopt.planning import CUDA_CHECKPOINTED_FRACTION, CUDA_DEFAULT_FRACTION, CUDA_EXPANDABLE_FRACTION
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    assert not headroom_mod.expandable_segments()
+    hr = headroom_mod.default_headroom("cuda")
+    assert (hr.fraction_for(False), hr.fraction_for(True)) == (CUDA_DEFAULT_FRACTION, CUDA_CHECKPOINTED_FRACTION)
+    assert "15.0% with checkpoints" in hr.describe()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    assert headroom_mod.expandable_segments()
+    hr = headroom_mod.default_headroom("cuda")
+    assert hr.fraction_for(False) == hr.fraction_for(True) == CUDA_EXPANDABLE_FRACTION
+    assert "expandable segments" in hr.source
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:True",
+                        raising=False)
+    assert headroom_mod.expandable_segments()
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:False",
+                        raising=False)
+    assert not headroom_mod.expandable_segments()
+
+
+def test_max_batch_and_plans_keep_the_checkpointed_share_for_checkpointed_plans():
+    """A plan that checkpoints keeps its own (larger) share free: max_batch's optimal answer,
+    plan_training's checkpointed options and an estimate's device needs use it; the plain
+    answers keep the other."""
+    model, x = chain(width=128, depth=3)
+    memory = 8 * 2**20
+    hr = Headroom(0, 0.02, "given", 0.1)
+    mb = max_batch(model, x, memory, optimizer="sgd", headroom=hr)
+    assert mb.usable_bytes == hr.usable(memory) and mb.usable_checkpointed_bytes == hr.usable(memory, True)
+    assert mb.optimal.checkpoints and hr.needed(mb.optimal.peak_bytes, True) <= memory
+    assert hr.needed(mb.optimal.next_peak_bytes, True) > memory
+    assert hr.needed(mb.no_checkpointing.peak_bytes) <= memory < hr.needed(mb.no_checkpointing.next_peak_bytes)
+    flat_hr = Headroom(0, 0.02, "given")
+    flat = max_batch(model, x, memory, optimizer="sgd", headroom=flat_hr)
+    assert flat.no_checkpointing.batch == mb.no_checkpointing.batch and flat.optimal.batch > mb.optimal.batch
+    one = plan_training(model, x, mb.optimal.batch, memory, optimizer="sgd", headroom=hr).options[0]
+    assert one.steps == 1 and one.checkpoints and hr.needed(one.peak_bytes, True) <= memory
+    over = plan_training(model, x, flat.optimal.batch, memory, optimizer="sgd", headroom=hr).options[0]
+    assert over.steps == 1 and over.checkpoints is None and not over.fits_optimal
+    flat_one = plan_training(model, x, flat.optimal.batch, memory, optimizer="sgd", headroom=flat_hr).options[0]
+    assert flat_one.checkpoints and flat_one.fits_optimal
+    big, xb = chain(width=128, depth=3, batch=mb.optimal.batch)
+    est = estimate(big, xb, optimizer="sgd", headroom=hr)
+    assert est.optimal.checkpoints and est.needed_bytes(est.optimal) == hr.needed(est.optimal.peak_bytes, True)
+    assert est.needed_bytes(est.no_checkpointing) == hr.needed(est.no_checkpointing.peak_bytes)
+
+
 def test_max_batch_calibrated_lowers_the_answer_until_the_scratch_fits(monkeypatch):
     from ckptopt import calibration
     from ckptopt.planning.batch import BatchCosts, peak_and_plan, with_batch

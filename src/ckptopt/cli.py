@@ -537,10 +537,15 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     if mb.optimal.calibrated:
         print("  each answer then run layer by layer on the device at its batch size (scratch and workspace "
               "measured) and lowered until they fit")
-    print(f"  {mb.headroom.describe()}: the peaks above stay within {format_bytes(mb.usable_bytes)}")
+    within = format_bytes(mb.usable_bytes)
+    if mb.usable_checkpointed_bytes not in (None, mb.usable_bytes):
+        within += f" ({format_bytes(mb.usable_checkpointed_bytes)} with checkpoints)"
+    print(f"  {mb.headroom.describe()}: the peaks above stay within {within}")
     if str(args.device).startswith("cuda"):
-        print("  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets the allocator fragment less: with it, measure "
-              "the overhead (ckptopt.planning.measure_allocator_overhead) and pass a smaller --headroom")
+        from .planning.headroom import EXPANDABLE_HINT, expandable_segments
+
+        if not expandable_segments():
+            print(f"  {EXPANDABLE_HINT}")
     if plan is not None:
         _print_training_plan(plan)
     return 0

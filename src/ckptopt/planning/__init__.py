@@ -75,8 +75,9 @@ from __future__ import annotations
 from .accumulation import AccumulationOption, TrainingPlan, plan_training
 from .batch import BatchCosts, BatchFit, MaxBatch, largest_fitting, max_batch, with_batch
 from .estimate import Breakdown, Estimate, PeakEstimate, estimate, peak_estimate
-from .headroom import (CUDA_DEFAULT_FRACTION, CUDA_DEFAULT_WORKSPACE, Headroom, default_headroom, device_budget,
-                       device_free_memory, measure_allocator_overhead)
+from .headroom import (CUDA_CHECKPOINTED_FRACTION, CUDA_DEFAULT_FRACTION, CUDA_DEFAULT_WORKSPACE,
+                       CUDA_EXPANDABLE_FRACTION, Headroom, default_headroom, device_budget, device_free_memory,
+                       expandable_segments, measure_allocator_overhead)
 from .optimizer import OPTIMIZERS, OptimizerMemory, accumulating_costs, optimizer_memory, step_peak
 from .parallel import STRATEGIES, Parallel
 
@@ -107,5 +108,8 @@ __all__ = [
     "device_budget",
     "measure_allocator_overhead",
     "CUDA_DEFAULT_FRACTION",
+    "CUDA_CHECKPOINTED_FRACTION",
+    "CUDA_EXPANDABLE_FRACTION",
     "CUDA_DEFAULT_WORKSPACE",
+    "expandable_segments",
 ]

@@ -70,7 +70,11 @@ class TrainingPlan:
                     traces=self.traces, recommended=self.recommended, options=[o.to_dict() for o in self.options])
 
 
-def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -> AccumulationOption:
+def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory,
+            memory_ckpt: int | None = None) -> AccumulationOption:
+    """One accumulation option: ``memory`` is the usable peak without checkpoints, ``memory_ckpt``
+    (default ``memory``) with them (the allocator's headroom may differ)."""
+    memory_ckpt = memory if memory_ckpt is None else memory_ckpt
     rank = bc.rank(m)
     acc = k > 1
     fb_costs = rank.solver_costs(acc)
@@ -80,15 +84,19 @@ def _option(bc: BatchCosts, m: int, k: int, memory: int, opt: OptimizerMemory) -
     chosen, peak, share, solver, stored = None, None, None, None, ()
     if stp <= memory:
         found = least_recompute_plan(fb_costs, memory - opt.state_bytes)
+        if found is not None and found.checkpoints and memory_ckpt < memory:  # held to the checkpointed limit
+            found = least_recompute_plan(fb_costs, memory_ckpt - opt.state_bytes) if stp <= memory_ckpt else None
         if found is not None and rank.fsdp is not None:  # scored by FSDP2's event-level peak
             fb = rank.fb_peak(found.checkpoints, found.stored, acc).bytes
-            found = found if fb + opt.state_bytes <= memory else (best if p_opt <= memory else None)
+            limit = memory_ckpt if found.checkpoints else memory
+            found = found if fb + opt.state_bytes <= limit else (best if p_opt <= memory_ckpt else None)
         if found is not None:
             chosen, solver, stored = found.checkpoints, found.solver, found.stored
             fb = found.peak_bytes if rank.fsdp is None else rank.fb_peak(found.checkpoints, found.stored, acc).bytes
             peak = max(fb + opt.state_bytes, stp)
             share = plan_recompute_share(fb_costs, chosen, stored)[1]
-    return AccumulationOption(m, k, p_none, p_opt, best.checkpoints, p_none <= memory, p_opt <= memory,
+    fits_opt = p_opt <= (memory_ckpt if best.checkpoints else memory)
+    return AccumulationOption(m, k, p_none, p_opt, best.checkpoints, p_none <= memory, fits_opt,
                               chosen, peak, share, solver, best.stored, stored)
 
 
@@ -154,14 +162,15 @@ def plan_training(model, example_inputs, target_batch: int, memory=None, optimiz
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture, parallel=parallel)
     opt = optimizer_for(bc, optimizer, impl, device)
     total, hr, mem = memory_and_headroom(bc, memory, device, headroom)
-    whole = _option(bc, target_batch, 1, mem, opt)
+    mem_ckpt = hr.usable(total, checkpointed=True)
+    whole = _option(bc, target_batch, 1, mem, opt, mem_ckpt)
     options = [whole]
     if not whole.fits_no_checkpointing:
-        m_opt = search_batch(bc, "optimal", mem, opt, accumulate=True, cap=target_batch).batch
+        m_opt = search_batch(bc, "optimal", mem_ckpt, opt, accumulate=True, cap=target_batch).batch
         m_none = search_batch(bc, "none", mem, opt, accumulate=True, cap=target_batch).batch
         if m_opt:
             ks = _steps_range(target_batch, m_opt, m_none or None, max_options)
-            options += [_option(bc, math.ceil(target_batch / k), k, mem, opt) for k in ks if k > 1]
+            options += [_option(bc, math.ceil(target_batch / k), k, mem, opt, mem_ckpt) for k in ks if k > 1]
     options.sort(key=lambda o: o.steps)
     rec = next((i for i, o in enumerate(options) if o.checkpoints is not None), None)
     return TrainingPlan(target_batch, total, opt, options, rec, bc.affine, bc.traces, hr, mem)

@@ -311,9 +311,11 @@ class MaxBatch:
     traces: int
     headroom: Headroom = Headroom()
     usable_bytes: int = 0
+    usable_checkpointed_bytes: int | None = None  # (the optimal plan's, where the headroom differs)
 
     def to_dict(self) -> dict:
-        return dict(memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes, headroom=self.headroom.to_dict(),
+        return dict(memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes,
+                    usable_checkpointed_bytes=self.usable_checkpointed_bytes, headroom=self.headroom.to_dict(),
                     optimizer=asdict(self.optimizer), affine=self.affine, traces=self.traces,
                     no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
 
@@ -410,7 +412,8 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     headroom : Headroom, optional
         Kept free below ``memory`` for the caching allocator and library workspaces;
         default :func:`default_headroom` of the device (none on the CPU). The batch
-        reported peaks at most ``headroom.usable(memory)``.
+        reported peaks at most ``headroom.usable(memory)`` (``headroom.usable(memory,
+        checkpointed=True)`` for the optimal plan).
     calibrate : bool, optional
         Confirm each answer on the device (see Notes). Default: on CUDA.
     parallel : Parallel, optional
@@ -439,12 +442,14 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     calibrated = calibration_choice(calibrate, dev, model_dev, parallel)
     check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
+    usable_ckpt = hr.usable(mem, checkpointed=True)
     none = search_batch(bc, "none", usable, opt)
-    best = search_batch(bc, "optimal", usable, opt)
+    best = search_batch(bc, "optimal", usable_ckpt, opt)
     if calibrated:  # the workspace is measured into the calibrated costs: keep only the allocator's share
-        on_device = Headroom(0, hr.fraction, hr.source).usable(mem)
-        none, best = (calibrated_fit(bc, fit, on_device, opt) for fit in (none, best))
-    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable)
+        on_device = hr.without_workspace()
+        none = calibrated_fit(bc, none, on_device.usable(mem), opt)
+        best = calibrated_fit(bc, best, on_device.usable(mem, checkpointed=True), opt)
+    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable, usable_ckpt)
 
 
 def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMemory) -> BatchFit:

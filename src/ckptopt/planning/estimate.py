@@ -263,8 +263,9 @@ class Estimate:
     parallel: Parallel | None = None
 
     def needed_bytes(self, pe: PeakEstimate) -> int:
-        """The memory a device must have for the step of ``pe``: its peak plus the headroom."""
-        return self.headroom.needed(pe.peak_bytes)
+        """The memory a device must have for the step of ``pe``: its peak plus the headroom (a
+        checkpointed plan's where ``pe`` checkpoints)."""
+        return self.headroom.needed(pe.peak_bytes, checkpointed=bool(pe.checkpoints))
 
     def to_dict(self) -> dict:
         return dict(batch_size=self.batch_size, n_layers=self.n_layers, optimizer=asdict(self.optimizer),

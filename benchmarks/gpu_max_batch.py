@@ -1,0 +1,170 @@
+"""Where the batches ``max_batch`` answers really stop fitting on a GPU, and why.
+
+``gpu_accuracy.py`` runs ``max_batch(model, x, "8GiB", optimizer="adam")`` on CUDA and then
+trains at each answer under ``torch.cuda.set_per_process_memory_fraction`` (the cap): fits or
+out of memory. This script takes those answers (``--answers``: its JSON) and, for each model,
+strategy (no checkpointing, the optimal plan) and allocator setting (the default, and
+``expandable_segments:True``), in a fresh process, trains two Adam steps at batches around the
+answer under the same cap: down from the answer until one fits when it did not, up from it
+until one does not when it did (``--step`` apart, at most ``--tries`` batches). Each batch
+records fits or not and, when it fits, ``max_memory_allocated`` and ``max_memory_reserved``:
+the allocator's real overhead (reserved over allocated) at the largest batch that fits, which
+is what the headroom's ``fraction`` must cover.
+
+    PYTHONPATH=src python benchmarks/gpu_max_batch.py --answers benchmarks/results/gpu_max_batch_answers.json
+    python benchmarks/gpu_max_batch.py --device cpu --answers ... --tries 2   # CPU smoke run (no cap)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+STRATEGIES = {"no_checkpointing": "none", "optimal": "optimal"}
+ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
+
+
+def _step(module, x, loss, opt) -> None:
+    import gpu_accuracy
+
+    opt.zero_grad(set_to_none=True)
+    gpu_accuracy._loss_of(module, x, loss).backward()  # the output dies with the loss, as modelled
+    opt.step()
+
+
+def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps, st, step: int, tries: int,
+             device: str) -> dict:
+    import torch
+
+    import gpu_accuracy
+    from ckptopt import apply_plan, trace
+    from ckptopt.planning import with_batch
+
+    spec, kw = {**gpu_accuracy.SMALL_MAX_BATCH, **gpu_accuracy.MAX_BATCH}[model_name]
+    model, inputs, loss = gpu_accuracy._load(spec, kw, device)
+    cuda = device.startswith("cuda")
+    module = model
+    if cps:  # the rewritten module runs at any batch: traced once, at the answer
+        tm = trace(model, with_batch(inputs, batch, kw["batch_size"]), loss_fn=loss)
+        module = apply_plan(model, tm, gpu_accuracy._plan(tm.n, cps, st))
+    if cuda:
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+    rows, b, direction = [], batch, 0
+    for _ in range(tries):
+        x = with_batch(inputs, b, kw["batch_size"])
+        opt = torch.optim.Adam(module.parameters(), lr=1e-4)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            for _ in range(2):
+                _step(module, x, loss, opt)
+            row = dict(batch=b, fits=True)
+            if cuda:
+                torch.cuda.synchronize()
+                row.update(allocated=int(torch.cuda.max_memory_allocated()),
+                           reserved=int(torch.cuda.max_memory_reserved()))
+        except torch.OutOfMemoryError as exc:
+            row = dict(batch=b, fits=False, error=str(exc).splitlines()[0][:160])
+        del opt, x
+        module.zero_grad(set_to_none=True)
+        rows.append(row)
+        if direction == 0:
+            direction = 1 if row["fits"] else -1
+        elif (direction == 1) != row["fits"]:
+            break  # crossed the border
+        b += direction * step
+        if b < 1:
+            break
+    fits = [r for r in rows if r["fits"]]
+    best = max(fits, key=lambda r: r["batch"]) if fits else None
+    out = dict(rows=rows, largest_fitting=best["batch"] if best else None)
+    if best and "allocated" in best:
+        out["overhead_at_largest"] = best["reserved"] / best["allocated"] - 1
+    return out
+
+
+def _child(payload: dict, timeout: float) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    if payload["alloc_conf"]:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = payload["alloc_conf"]
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(payload)],
+                              capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(error=f"timeout after {timeout:.0f} s")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return dict(error=((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1])
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        p = json.loads(sys.argv[2])
+        try:
+            rec = run_case(p["model"], p["strategy"], p["memory_bytes"], p["batch"], p["checkpoints"], p["stored"],
+                           p["step"], p["tries"], p["device"])
+        except Exception as exc:  # noqa: BLE001 - recorded
+            rec = dict(error=f"{type(exc).__name__}: {exc}"[:1000])
+        print(json.dumps(rec))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--answers", required=True, help="a gpu_accuracy.py JSON with max_batch results")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--step", type=float, default=0.02, help="batches tried apart, a share of the answer (0.02)")
+    ap.add_argument("--tries", type=int, default=8)
+    ap.add_argument("--allocators", default=",".join(ALLOCATORS))
+    ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=400.0)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_max_batch.json"))
+    args = ap.parse_args()
+    from _common import run_metadata
+
+    answers = json.load(open(args.answers))["max_batch"]
+    todo = []
+    for model_name, entry in answers.items():
+        res = entry["search"]["result"]
+        for strategy, key in STRATEGIES.items():
+            fit = res[strategy]
+            for alloc in args.allocators.split(","):
+                todo.append(dict(model=model_name, strategy=strategy, memory_bytes=res["memory_bytes"],
+                                 batch=fit["batch"], predicted=fit["peak_bytes"], checkpoints=fit["checkpoints"],
+                                 stored=fit["stored"], step=max(1, round(args.step * fit["batch"])),
+                                 tries=args.tries, device=args.device, allocator=alloc,
+                                 alloc_conf=ALLOCATORS[alloc]))
+    meta = run_metadata("gpu_max_batch")
+    meta["answers"] = args.answers
+    results: list = []
+
+    def one(p):
+        t0 = time.perf_counter()
+        rec = dict({k: p[k] for k in ("model", "strategy", "allocator", "batch", "predicted", "memory_bytes")},
+                   **_child(p, args.timeout), seconds=round(time.perf_counter() - t0, 1))
+        results.append(rec)
+        print(json.dumps({k: rec.get(k) for k in ("model", "strategy", "allocator", "batch", "largest_fitting",
+                                                  "overhead_at_largest", "error")}), flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            json.dump(dict(meta=meta, cases=results), fh, indent=1)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, todo))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
