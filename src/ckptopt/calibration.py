@@ -226,9 +226,7 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
                 out.append(LayerCalibration(hit.forward_seconds, hit.backward_seconds, hit.forward_scratch,
                                             hit.backward_scratch, cached=True))
                 continue
-            xs = make_input()  # one layer's inputs at a time
-            cal = _measure(module, xs, statics, probe, repeats)
-            del xs
+            cal = _measure(module, make_input, statics, probe, repeats)  # one layer's inputs at a time
             if cache:
                 _CACHE[full_key] = cal
             out.append(cal)
@@ -238,30 +236,54 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
     return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start)
 
 
-def _measure(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe,
+def _measure(module: nn.Module, make_input, statics: list, probe: DeviceProbe,
              repeats: int) -> LayerCalibration:
     fwd_t, bwd_t = [], []
     for r in range(repeats + 1):  # run 0 warms up (lazy library state, algorithm choice)
-        t_fwd, t_bwd = _run_once(module, x, statics, probe)
+        t_fwd, t_bwd = _run_once(module, make_input, statics, probe)
         if r:
             fwd_t.append(t_fwd)
             bwd_t.append(t_bwd)
     fwd_s = bwd_s = 0
     if probe.has_statistics:  # one more run under the storage tracker: allocator peak minus tensor peak
-        fwd_s, bwd_s = _scratch(module, x, statics, probe)
+        fwd_s, bwd_s = _scratch(module, make_input, statics, probe)
     return LayerCalibration(statistics.median(fwd_t), statistics.median(bwd_t), fwd_s, bwd_s)
 
 
+class _Input(torch.autograd.Function):
+    """A layer input that takes a gradient and is no leaf: autograd's leaf node would hold it
+    through the backward, where in the model it dies at its last use inside the layer (fp32
+    logits, which the loss does not save). Its gradient ends here; the anchor gets zero."""
+
+    @staticmethod
+    def forward(ctx, anchor, value):
+        return value.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(()), None
+
+
 def _fresh(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [x.detach().clone().requires_grad_(x.requires_grad) for x in xs]
+    """One run's inputs: one that takes a gradient is an alias of it made by :class:`_Input` (a
+    copy would hold its bytes twice); one that does not is copied (the layer may write into it in
+    place)."""
+    out = []
+    for x in xs:
+        if x.requires_grad:
+            anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
+            out.append(_Input.apply(anchor, x.detach()))  # (no edge to x: nothing holds it)
+        else:
+            out.append(x.detach().clone())
+    return out
 
 
-def _run_once(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe) -> tuple[float, float]:
+def _run_once(module: nn.Module, make_input, statics: list, probe: DeviceProbe) -> tuple[float, float]:
     """Forward and backward seconds of one untracked run (the tracker's dispatch would inflate them)."""
-    xi = _fresh(x)
+    args = _fresh(make_input()) + list(statics)  # (boxed: the layer empties the list, see _boxed)
     probe.synchronize()
     t0 = time.perf_counter()
-    y = module(*xi, *statics)
+    y = module(args)
     probe.synchronize()
     t_fwd = time.perf_counter() - t0
     ys = [t for t in tensor_leaves(y) if t.requires_grad]
@@ -277,16 +299,16 @@ def _run_once(module: nn.Module, x: list[torch.Tensor], statics: list, probe: De
     return t_fwd, t_bwd
 
 
-def _scratch(module: nn.Module, x: list[torch.Tensor], statics: list, probe: DeviceProbe) -> tuple[int, int]:
+def _scratch(module: nn.Module, make_input, statics: list, probe: DeviceProbe) -> tuple[int, int]:
     """Scratch of the forward and of the backward: the allocator's peak above the phase's start
     minus the tensor storages' peak above it."""
-    xi = _fresh(x)
+    args = _fresh(make_input()) + list(statics)
     tracker = StorageTracker()
-    tracker.register(module, *xi, statics)
+    tracker.register(module, args)
     start = tracker.current_bytes
     probe.begin()
     with tracker:
-        y = module(*xi, *statics)
+        y = module(args)
     alloc = probe.phase()
     fwd = 0 if alloc is None else max(0, alloc - (tracker.peak_bytes - start))
     ys = [t for t in tensor_leaves(y) if t.requires_grad]
@@ -301,10 +323,50 @@ def _scratch(module: nn.Module, x: list[torch.Tensor], statics: list, probe: Dev
     alloc = probe.phase()
     bwd = 0 if alloc is None else max(0, alloc - (tracker.peak_bytes - before))
     tracker.detach()
-    del y, ys, grads, xi
+    del y, ys, grads
     for p in module.parameters():
         p.grad = None
     return fwd, bwd
+
+
+class _BoxedCodeGen(fx.graph.CodeGen):
+    """Code that takes a layer's inputs in one list and empties it, as a layer inside the
+    model gets them: each input dies at its last use (a calibration run that held its input
+    would peak above the step where the input is large, fp32 logits before the loss)."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, *args, **kwargs) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        head = f"def {getattr(self, '_func_name', 'forward')}(self, args_list){maybe_return_annotation}:"
+        return head + "".join(f"\n    {v} = args_list[{i}]" for i, v in enumerate(names)) + "\n    args_list.clear()"
+
+
+class _BoxedLoss(nn.Module):
+    """:class:`~ckptopt.tracer.cuts.WithLoss` taking its inputs in one list it empties."""
+
+    def __init__(self, inner: WithLoss):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, args_list: list):
+        w = self.inner
+        if w.body is None:
+            x = args_list[0]
+            args_list.clear()
+            return w.loss_fn(w.rebuild(x) if w.rebuild is not None else x)
+        out = w.body(args_list)
+        return w.loss_fn(w.rebuild(out) if w.rebuild is not None else out)
+
+
+def _boxed(module: nn.Module) -> nn.Module:
+    """``module`` (a layer's GraphModule, or one ending with the loss) called with one list of its
+    inputs, which it empties."""
+    if isinstance(module, WithLoss):
+        if module.body is not None:
+            module.body = _boxed(module.body)
+        return _BoxedLoss(module)
+    module.graph.set_codegen(_BoxedCodeGen())  # (built for the calibration alone: changed in place)
+    module.recompile()
+    return module
 
 
 def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) -> list[tuple]:
@@ -356,7 +418,7 @@ def _layer_modules(traced: TracedModel, inputs: Inputs, device: torch.device) ->
         key = (_signature(gm, members) or ("<loss>",),
                tuple((tuple(p.shape), p.dtype) for p in module.parameters()), meta,
                tuple((tuple(s.shape), s.dtype) for s in statics if isinstance(s, torch.Tensor)))
-        out.append((module, make_input, statics, key))
+        out.append((_boxed(module), make_input, statics, key))
     return out
 
 

@@ -166,7 +166,7 @@ def fake_mode():
     :data:`DEVICE_FAKE_IMPLS` this mode runs the real device's checks and makes
     the output itself; every other op runs as in ``FakeTensorMode``.
     """
-    return _fake_mode_class()()
+    return _fake_mode_class()(allow_non_fake_inputs=True)
 
 
 # Shadows: the real values of what the example inputs alone determine. Fake tensors carry shapes and
@@ -190,6 +190,7 @@ def _fake_mode_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.shadows = _Shadows()  # fake tensor -> its real value
+            self._captured_fakes: dict[int, tuple] = {}  # id of a real tensor read by an op -> (weak ref, fake)
             self._views: dict[int, list] = {}  # fake storage id -> weak references to the shadowed views of it
 
         def _keep(self, fake, real) -> None:
@@ -218,8 +219,25 @@ def _fake_mode_class():
                 self._keep(fake, real)
             return fake
 
+        def _captured(self, t: torch.Tensor) -> torch.Tensor:
+            """A real tensor an op reads that no input or parameter brought in (a loss's targets, a
+            plain tensor attribute): made fake once, as a model input is (its integer value kept)."""
+            import weakref
+
+            hit = self._captured_fakes.get(id(t))
+            if hit is not None and hit[0]() is t:
+                return hit[1]
+            fake = self.from_input(t)
+            self._captured_fakes[id(t)] = (weakref.ref(t), fake)
+            return fake
+
         def dispatch(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            if any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in flat):
+                flat = [self._captured(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+                        for a in flat]
+                args, kwargs = pytree.tree_unflatten(flat, spec)
             impls = DEVICE_FAKE_IMPLS.get(str(func.name()) if hasattr(func, "name") else None)
             if impls:
                 devices = {t.device.type for t in tensor_leaves((args, kwargs))}
