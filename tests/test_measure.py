@@ -499,3 +499,53 @@ def test_a_loss_that_reads_its_own_targets_plans_exactly_and_trains_identically(
     model.zero_grad(set_to_none=True)
     loss_fn(model(x)).backward()
     assert all(torch.equal(g, p.grad) for g, p in zip(got, model.parameters()))
+
+
+def _ce_head_model():
+    """An MLP whose loss (cross-entropy) does not save the logits: the step frees them after the loss."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 2048))
+    x = torch.randn(256, 32)
+    target = torch.randint(0, 2048, (256,))
+    return model, x, (lambda out: F.cross_entropy(out, target))
+
+
+def _kept_loop_peak(module, x, loss_fn, opt=None, steps=3) -> int:
+    """The tracked peak of the last of ``steps`` steps of ``out = module(x); loss_fn(out).backward()``."""
+    tracker = StorageTracker()
+    tracker.register(module, x)
+    out = None
+    with tracker:
+        for i in range(steps):
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                for p in module.parameters():
+                    p.grad = None
+            if i == steps - 1:
+                tracker.reset_peak()
+            out = module(x)
+            loss_fn(out).backward()
+            if opt is not None:
+                opt.step()
+    del out
+    return tracker.peak_bytes
+
+
+def test_keep_output_measures_the_loop_that_keeps_the_output():
+    """measure_peak(keep_output=True): the step of a loop that keeps ``out`` (alive through the
+    backward, and the previous one through the forward), real and fake alike, as such a loop
+    measures; here the logits, which the loss does not save, stay alive: +256 x 2048 x 4 B."""
+    from ckptopt import Plan, apply_plan, trace
+
+    model, x, loss_fn = _ce_head_model()
+    tm = trace(model, x, loss_fn=loss_fn)
+    for cps in ((), (2,), (1, 3)):
+        module = apply_plan(model, tm, Plan(cps, 0, "given", 0.0, tm.n, ())) if cps else model
+        kept = measure_peak_detailed(module, x, loss_fn, keep_output=True)
+        assert kept.output_bytes == 256 * 2048 * 4
+        assert kept.peak_bytes == measure_peak(module, x, loss_fn, keep_output=True, fake=True)
+        assert kept.peak_bytes == _kept_loop_peak(module, x, loss_fn)
+        assert kept.peak_bytes == measure_peak(module, x, loss_fn) + kept.output_bytes

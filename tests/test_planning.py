@@ -282,3 +282,43 @@ def test_planning_for_cuda_without_cuda_assumes_and_says_so(monkeypatch):
         max_batch(model, x, device="cuda")
     with pytest.raises(ValueError, match="calibrate=True runs each layer on cuda, but the model is on cpu"):
         estimate(model, x, device="cuda", calibrate=True)
+
+
+def test_estimate_and_max_batch_count_an_output_the_loop_keeps():
+    """keep_output=True: the loop ``out = model(x); loss_fn(out).backward(); opt.step()`` keeps the
+    logits through the backward and the optimizer step (and the previous ones through the next
+    forward). The estimate of both plans is that loop's measured peak (the 8-byte loss aside), and
+    max_batch's answers fit such a loop, where the estimate without it is under by the logits."""
+    import sys
+
+    from ckptopt import Plan, apply_plan
+    from ckptopt.planning import estimate, max_batch, with_batch
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_measure import _ce_head_model, _kept_loop_peak
+
+    model, x, loss_fn = _ce_head_model()
+    est = estimate(model, x, optimizer="adam", loss_fn=loss_fn, keep_output=True)
+    plain = estimate(model, x, optimizer="adam", loss_fn=loss_fn)
+    tm = trace(model, x, loss_fn=loss_fn)
+    for pe, pp in ((est.no_checkpointing, plain.no_checkpointing), (est.optimal, plain.optimal)):
+        module = apply_plan(model, tm, Plan(pe.checkpoints, 0, "given", 0.0, tm.n, pe.stored)) if pe.checkpoints \
+            else model
+        measured = _kept_loop_peak(module, x, loss_fn, torch.optim.Adam(module.parameters()))
+        assert measured - pe.peak_bytes in (0, 8)
+        assert pe.peak_bytes - pp.peak_bytes == pe.breakdown.kept_output == 256 * 2048 * 4
+        assert pe.breakdown.total == pe.peak_bytes
+    memory = 24 * 2**20
+    first = lambda out: torch.log_softmax(out, -1)[:, 0].mean()  # noqa: E731  (saves the softmax, not the logits)
+    mb = max_batch(model, x, memory, optimizer="sgd", loss_fn=first, keep_output=True)
+    loose = max_batch(model, x, memory, optimizer="sgd", loss_fn=first)
+    for fit, free in ((mb.no_checkpointing, loose.no_checkpointing), (mb.optimal, loose.optimal)):
+        assert 0 < fit.batch < free.batch and fit.peak_bytes <= memory < fit.next_peak_bytes
+        for b, fits in ((fit.batch, True), (fit.batch + 1, False)):
+            xb = with_batch((x,), b, 256)[0]
+            tb = trace(model, xb, loss_fn=first)
+            plan = fit.checkpoints if fits else solve(tb.costs, "auto").checkpoints if fit.checkpoints else ()
+            module = apply_plan(model, tb, Plan(plan, 0, "given", 0.0, tb.n, fit.stored if fits else ())) \
+                if plan else model
+            peak = _kept_loop_peak(module, xb, first, torch.optim.SGD(module.parameters(), lr=0.1))
+            assert (peak <= memory + 8) if fits else (peak > memory)

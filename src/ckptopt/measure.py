@@ -31,7 +31,7 @@ from .torch_utils import (Inputs, check_module, default_loss, no_lasting_state, 
                           resolve_device, tensor_leaves)
 from .tracer import TracedModel, trace
 from .tracer.capture.blocks import rebind
-from .tracker import StorageTracker
+from .tracker import StorageTracker, storage_bytes
 
 __all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake",
            "measure_training_step", "measure_rank_step", "make_optimizer"]
@@ -52,16 +52,24 @@ class PeakMeasurement:
         The device measured.
     timeline : list of (op_index, op_name, current_bytes) or None
         CPU (tracker) only: live bytes after every operator of the step.
+    output_bytes : int or None
+        With ``keep_output``: the bytes of the model's output the loop keeps (tracker only).
     """
 
     peak_bytes: int
     reserved_bytes: int | None
     device: torch.device
     timeline: list[tuple[int, str, int]] | None
+    output_bytes: int | None = None
 
 
 def _forward_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> torch.Tensor:
     """Forward and loss; returns only the loss so that nothing else stays referenced."""
+    return _loss_of(_forward(model, inputs), loss_fn)
+
+
+def _forward(model: nn.Module, inputs: Inputs) -> Any:
+    """The model's output, checked to have something to train."""
     out = inputs.call(model)
     leaves = list(tensor_leaves(out))
     if not any(t.requires_grad for t in leaves):
@@ -84,8 +92,12 @@ def _forward_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) ->
             "is no backward pass to measure"
         )
     del leaves
+    return out
+
+
+def _loss_of(out: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """The scalar loss of ``out`` (checked)."""
     loss = loss_fn(out) if loss_fn is not None else default_loss(out)
-    del out
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
         raise ValueError(f"loss_fn must return a scalar tensor, got {what}")
@@ -98,6 +110,27 @@ def _train_step(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> N
     loss = _forward_loss(model, inputs, loss_fn)
     loss.backward()
     del loss
+
+
+def _kept_output_steps(model: nn.Module, inputs: Inputs, loss_fn: Callable | None,
+                       between: Callable[[], None], output_bytes: Callable[[Any], int]) -> int:
+    """Two steps of a loop that keeps the model's output, ``out = model(x); loss_fn(out).backward()``:
+    the second runs its forward while the first's output is alive (``out`` is rebound only once
+    the forward returns) and its backward while its own is. ``between()`` runs before the
+    second step (the peak to measure starts there); returns ``output_bytes(out)``."""
+    out = _forward(model, inputs)
+    _loss_of(out, loss_fn).backward()
+    for p in model.parameters():
+        p.grad = None  # (zero_grad(set_to_none=True) before each step, as modelled)
+    between()
+    new = _forward(model, inputs)
+    out = new
+    del new
+    size = output_bytes(out)
+    loss = _loss_of(out, loss_fn)
+    loss.backward()
+    del loss, out
+    return size
 
 
 def _as_plan(traced: TracedModel, checkpoints, stored=()) -> Plan:
@@ -116,9 +149,11 @@ def _with_checkpoints(model: nn.Module, inputs: Inputs, loss_fn, checkpoints, st
 
 
 def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
-                build: Callable[[nn.Module, Any], nn.Module], timeline: bool = False) -> list[PeakMeasurement]:
+                build: Callable[[nn.Module, Any], nn.Module], timeline: bool = False,
+                keep_output: bool = False) -> list[PeakMeasurement]:
     """One fake-tensor copy of ``model``; for each plan, the tracked peak of one step of
-    ``build(copy, plan)`` (the copy itself for ``None``). Nothing is allocated."""
+    ``build(copy, plan)`` (the copy itself for ``None``), or with ``keep_output`` of a loop's
+    step that keeps the output (:func:`_kept_output_steps`). Nothing is allocated."""
     fake = fake_copy(model, inputs)
     tensors = fake.inputs.tensors()
     dev = tensors[0].device if tensors else torch.device("cpu")
@@ -132,8 +167,8 @@ def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
             with fake.mode, torch.enable_grad():
                 tracker.register(fake.model, tensors)
                 with tracker:
-                    _train_step(run, fake.inputs, loss_fn)
-            out.append(PeakMeasurement(int(tracker.peak_bytes), None, dev, tracker.timeline))
+                    size = _tracked_step(run, fake.inputs, loss_fn, tracker, keep_output)
+            out.append(PeakMeasurement(int(tracker.peak_bytes), None, dev, tracker.timeline, size))
         finally:
             tracker.detach()
             if run is not fake.model:
@@ -141,7 +176,23 @@ def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
     return out
 
 
-def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None) -> PeakMeasurement:
+def _tracked_step(model: nn.Module, inputs: Inputs, loss_fn, tracker: StorageTracker,
+                  keep_output: bool) -> int | None:
+    """One step under ``tracker`` (its peak is the step's), or with ``keep_output`` a kept-output
+    loop's step; returns the output's bytes then (storages the step made), else None."""
+    if not keep_output:
+        _train_step(model, inputs, loss_fn)
+        return None
+    before = set(tracker.storages)
+
+    def made(out) -> int:
+        return storage_bytes(tensor_leaves(out), exclude=before, fake=tracker.fake)[0]
+
+    return _kept_output_steps(model, inputs, loss_fn, tracker.reset_peak, made)
+
+
+def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None,
+                  keep_output: bool = False) -> PeakMeasurement:
     """The tracker's figure for one step of a fake copy of ``model``: nothing is allocated.
 
     With ``checkpoints``, ``model`` is traced and the plan applied to the fake
@@ -155,7 +206,7 @@ def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None) -
                              "with a plain model (ckptopt.detach(model)), or leave it out")
         module = attached(model)
         return _fake_peaks(model, inputs, loss_fn, [module.plan], lambda fm, p: apply_plan(fm, module.traced, p),
-                           timeline=True)[0]
+                           timeline=True, keep_output=keep_output)[0]
     if isinstance(model, CheckpointedModule):
         # a rewritten module is not copied (deep-copying its graphs overflows the recursion
         # limit on large models): its plan is applied again to a fake copy of the original
@@ -168,7 +219,8 @@ def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None) -
     else:
         traced = trace(model, inputs, loss_fn=loss_fn)
         plans, base = [_as_plan(traced, checkpoints)], model
-    return _fake_peaks(base, inputs, loss_fn, plans, lambda fm, p: apply_plan(fm, traced, p), timeline=True)[0]
+    return _fake_peaks(base, inputs, loss_fn, plans, lambda fm, p: apply_plan(fm, traced, p), timeline=True,
+                       keep_output=keep_output)[0]
 
 
 def measure_plans_fake(model: nn.Module, example_inputs: Any, traced: TracedModel, plans: Iterable[Any],
@@ -202,6 +254,7 @@ def measure_peak_detailed(
     checkpoints: Any = None,
     device: Any = None,
     fake: bool = False,
+    keep_output: bool = False,
 ) -> PeakMeasurement:
     """Like :func:`measure_peak`, with the reserved bytes, device and timeline.
 
@@ -214,7 +267,7 @@ def measure_peak_detailed(
     check_module(model, "measure_peak")
     inputs = normalize_inputs(example_inputs)
     if fake:
-        return _measure_fake(model, inputs, loss_fn, checkpoints)
+        return _measure_fake(model, inputs, loss_fn, checkpoints, keep_output)
     if checkpoints is not None:
         model = _with_checkpoints(model, inputs, loss_fn, checkpoints)
     tensors = inputs.tensors()
@@ -225,7 +278,14 @@ def measure_peak_detailed(
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-            _train_step(model, inputs, loss_fn)
+            if keep_output:
+                def between():
+                    torch.cuda.synchronize(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+
+                _kept_output_steps(model, inputs, loss_fn, between, lambda out: 0)
+            else:
+                _train_step(model, inputs, loss_fn)
             torch.cuda.synchronize(dev)
             return PeakMeasurement(
                 peak_bytes=int(torch.cuda.max_memory_allocated(dev)),
@@ -237,9 +297,10 @@ def measure_peak_detailed(
         tracker.register(model, tensors)
         try:
             with tracker:
-                _train_step(model, inputs, loss_fn)
+                size = _tracked_step(model, inputs, loss_fn, tracker, keep_output)
             return PeakMeasurement(
-                peak_bytes=tracker.peak_bytes, reserved_bytes=None, device=dev, timeline=tracker.timeline
+                peak_bytes=tracker.peak_bytes, reserved_bytes=None, device=dev, timeline=tracker.timeline,
+                output_bytes=size,
             )
         finally:
             tracker.detach()
@@ -252,6 +313,7 @@ def measure_peak(
     checkpoints: Any = None,
     device: Any = None,
     fake: bool = False,
+    keep_output: bool = False,
 ) -> int:
     """Peak bytes of one training step: forward, loss, backward.
 
@@ -278,6 +340,11 @@ def measure_peak(
         and count its storages: the same figure as the CPU tracker, for any
         batch size, without allocating activations (the copy's parameters
         are fake too). The model itself is not run.
+    keep_output : bool, default False
+        Measure the step of a loop that keeps the model's output, ``out = model(x);
+        loss_fn(out).backward()``: two steps are run and the second measured, its forward
+        with the first's output alive (``out`` is rebound once the forward returns), its
+        backward with its own.
 
     Returns
     -------
@@ -287,8 +354,8 @@ def measure_peak(
         kernel scratch memory included. Elsewhere (CPU), the peak of a
         :class:`StorageTracker` with the parameters, buffers and inputs (and
         nothing else that existed before) registered as live from the start.
-        The model output is not held while backward runs, as in a real
-        training loop; the scalar loss is.
+        The model output is not held while backward runs (``loss_fn(model(x)).backward()``;
+        see ``keep_output``); the scalar loss is.
 
     Raises
     ------
@@ -315,7 +382,7 @@ def measure_peak(
     >>> measure_peak(lin, x)  # W + X + grad(Y) + grad(W) + 8 (loss, its seed grad)
     16120008
     """
-    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints, device, fake).peak_bytes
+    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints, device, fake, keep_output).peak_bytes
 
 
 # --------------------------------------------------------------------------

@@ -396,7 +396,7 @@ def optimizer_for(bc: BatchCosts, optimizer: str, impl: str | None, device: str 
 def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl: str | None = None,
               device: str | None = None, loss_fn=None, leaf_modules=None, capture="auto",
               headroom: Headroom | None = None, calibrate: bool | None = None,
-              parallel: Parallel | None = None) -> MaxBatch:
+              parallel: Parallel | None = None, keep_output: bool = False) -> MaxBatch:
     """The largest batch whose training step fits in ``memory``, without and with the optimal plan.
 
     Parameters
@@ -418,6 +418,9 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
         Confirm each answer on the device (see Notes). Default: on CUDA.
     parallel : Parallel, optional
         One rank of a DDP or FSDP2 run: the batch is the rank's local batch (see :func:`estimate`).
+    keep_output : bool, default False
+        The loop keeps the model's output through the step (see :func:`estimate`): each answer
+        is then lowered until a fake kept-output step at its batch fits too.
 
     Returns
     -------
@@ -445,17 +448,25 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     usable_ckpt = hr.usable(mem, checkpointed=True)
     none = search_batch(bc, "none", usable, opt)
     best = search_batch(bc, "optimal", usable_ckpt, opt)
-    if calibrated:  # the workspace is measured into the calibrated costs: keep only the allocator's share
-        on_device = hr.without_workspace()
-        none = calibrated_fit(bc, none, on_device.usable(mem), opt)
-        best = calibrated_fit(bc, best, on_device.usable(mem, checkpointed=True), opt)
+    if calibrated or keep_output:
+        if keep_output and parallel is not None:
+            raise ValueError("keep_output=True is not supported with parallel= yet: plan one process, or free the "
+                             "output before backward (loss_fn(model(x)).backward())")
+        # (calibrated: the workspace is measured into the costs: keep only the allocator's share)
+        kept = hr.without_workspace() if calibrated else hr
+        none = lowered_fit(bc, none, kept.usable(mem), opt, calibrated, keep_output)
+        best = lowered_fit(bc, best, kept.usable(mem, checkpointed=True), opt, calibrated, keep_output)
     return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable, usable_ckpt)
 
 
-def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMemory) -> BatchFit:
-    """``fit`` lowered until its peak with the device's scratch and workspace (calibrated at
-    each batch tried) is at most ``usable``: the largest such batch up to ``fit.batch``."""
+def lowered_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMemory, calibrated: bool,
+                keep_output: bool) -> BatchFit:
+    """``fit`` lowered until its peak is at most ``usable`` with what the interpolated costs leave
+    out, measured at each batch tried: the device's scratch and workspace (``calibrated``, each
+    batch calibrated) and what a loop that keeps the model's output adds (``keep_output``, a
+    fake kept-output step). The largest such batch up to ``fit.batch``."""
     from ..calibration import calibrate
+    from .estimate import kept_output_extra, peak_estimate
 
     if fit.batch == 0:
         return fit
@@ -464,9 +475,13 @@ def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMem
     def peak(b: int) -> int:
         if b not in seen:
             tm = bc.traced(b)
-            costs = calibrate(bc.model, tm, with_batch(bc.inputs, b, bc.example_batch)).apply(tm.costs)
+            x = with_batch(bc.inputs, b, bc.example_batch)
+            costs = calibrate(bc.model, tm, x).apply(tm.costs) if calibrated else tm.costs
             rank = bc.rank(b, costs=costs)
             p, plan = peak_and_plan(rank, fit.strategy, opt, final=True)
+            if keep_output:
+                kept = kept_output_extra(bc.model, x, bc.loss_fn, tm, [plan])[0]
+                p = peak_estimate(rank, plan, opt, "", kept).peak_bytes
             seen[b] = (p, plan, rank.costs)
         return seen[b][0]
 
@@ -482,11 +497,11 @@ def calibrated_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMem
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if peak(mid) <= usable else (lo, mid)
     if lo == 0:
-        return BatchFit(fit.strategy, 0, None, peak(1), (), 0.0, True, calibrated=True)
+        return BatchFit(fit.strategy, 0, None, peak(1), (), 0.0, True, calibrated=calibrated)
     p, plan, costs = seen[lo]
     share = plan_recompute_share(costs, plan.checkpoints, plan.stored)[1]
     nxt = seen[hi][0] if hi in seen else fit.next_peak_bytes
-    return BatchFit(fit.strategy, lo, p, nxt, plan.checkpoints, share, True, plan.stored, calibrated=True)
+    return BatchFit(fit.strategy, lo, p, nxt, plan.checkpoints, share, True, plan.stored, calibrated=calibrated)
 
 
 def memory_and_headroom(bc: BatchCosts, memory, device: str | None,

@@ -22,7 +22,7 @@ from .parallel import Parallel, RankCosts
 from .ranks import rank_costs
 from .units import param_facts, rank_trace, repeated_blocks
 
-__all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan",
+__all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan", "kept_output_extra",
            "least_recompute_plan", "trainable_sizes", "batch_of"]
 
 
@@ -34,7 +34,8 @@ class Breakdown:
     forward temporaries; in backward its new gradients (parameter and input)
     and temporaries; or the optimizer step's temporaries. ``gradients`` are the
     parameter gradients already stored. ``activations`` is the rest: tensors
-    saved for backward, checkpoints, the output gradient in flight. ``parallel``:
+    saved for backward, checkpoints, the output gradient in flight. ``kept_output``: what a
+    loop that keeps the model's output adds to the step (:func:`estimate`'s ``keep_output``). ``parallel``:
     what a data-parallel wrapper holds besides (DDP's gradient buckets; FSDP2's
     gathered parameters, prefetched and reduce-scatter buffers); ``parameters`` and
     ``gradients`` are then the rank's (sharded under FSDP2).
@@ -47,11 +48,12 @@ class Breakdown:
     activations: int
     transient: int
     parallel: int = 0
+    kept_output: int = 0  # what a loop that keeps the model's output adds (``keep_output``)
 
     @property
     def total(self) -> int:
         return (self.parameters + self.buffers_and_inputs + self.gradients + self.optimizer_state
-                + self.activations + self.transient + self.parallel)
+                + self.activations + self.transient + self.parallel + self.kept_output)
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def _fb_breakdown(costs: ChainCosts, cps: tuple[int, ...], sim: SimResult) -> tu
 
 
 def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerMemory,
-                  label: str = "") -> PeakEstimate:
+                  label: str = "", kept: tuple[int, int] = (0, 0)) -> PeakEstimate:
     """Peak and breakdown of a training step of one rank under ``plan`` (see the module note).
 
     Parameters
@@ -135,12 +137,16 @@ def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerM
     plan : Plan or tuple of int
         The plan (a tuple: segment-start layers, every segment but the last checkpointed).
     opt : OptimizerMemory
+    kept : (int, int)
+        A loop that keeps the model's output: what that adds to the forward and backward's peak
+        (measured, :func:`kept_output_extra`) and the output's bytes, alive in the optimizer step.
     """
     costs = rank.costs
     cps, stored = (plan.checkpoints, plan.stored) if isinstance(plan, Plan) else (tuple(int(c) for c in plan), ())
     at_peak = rank.fb_peak(cps, stored)
-    fb = at_peak.bytes
-    stp = rank.step_peak(opt)
+    extra, out_bytes = kept
+    fb = at_peak.bytes + extra
+    stp = rank.step_peak(opt) + (out_bytes if opt.name != "none" else 0)
     redo, share = plan_recompute_share(costs, cps, stored)
     other_static = rank.step_static - rank.param_bytes - rank.comm_bytes
     if fb + opt.state_bytes >= stp:
@@ -149,17 +155,34 @@ def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerM
             parallel = rank.comm_bytes
         else:  # FSDP2: the gradients and buffers held then; the chain model's own transient is in the rest
             grads, transient, parallel = at_peak.grads, 0, at_peak.buffers
-        acts = fb - rank.step_static - grads - transient - parallel + rank.comm_bytes
+        acts = fb - extra - rank.step_static - grads - transient - parallel + rank.comm_bytes
         at, layer = at_peak.phase, at_peak.layer
+        output = extra
     else:
         grads, transient, parallel = rank.grad_bytes, opt.step_transient_bytes, rank.comm_bytes
         acts = int(costs.a[-1])  # the loss scalar
         at, layer = "optimizer step", None
-    bd = Breakdown(rank.param_bytes, other_static, grads, opt.state_bytes, acts, transient, parallel)
+        output = out_bytes
+    bd = Breakdown(rank.param_bytes, other_static, grads, opt.state_bytes, acts, transient, parallel, output)
     peak = max(fb + opt.state_bytes, stp)
     assert bd.total == peak, (bd, peak)
     name = costs.names[layer] if (layer is not None and costs.names is not None) else None
     return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share, stored)
+
+
+def kept_output_extra(model, inputs: Inputs, loss_fn, traced, plans) -> list[tuple[int, int]]:
+    """For each plan (``()``: none), what a loop that keeps the model's output adds to the forward
+    and backward's peak, and the output's bytes: measured on one fake copy, a kept-output step
+    (:func:`ckptopt.measure.measure_peak`'s ``keep_output``) against the modelled one."""
+    from ..measure import _fake_peaks
+    from ..rewriter import apply_plan
+
+    plans = [None if not (p.checkpoints if isinstance(p, Plan) else p) else
+             (p if isinstance(p, Plan) else Plan(tuple(p), 0, "given", 0.0, traced.n, ())) for p in plans]
+    build = lambda fm, p: apply_plan(fm, traced, p)  # noqa: E731
+    plain = _fake_peaks(model, inputs, loss_fn, plans, build)
+    kept = _fake_peaks(model, inputs, loss_fn, plans, build, keep_output=True)
+    return [(max(0, k.peak_bytes - m.peak_bytes), int(k.output_bytes or 0)) for k, m in zip(kept, plain)]
 
 
 def optimal_plan(rank: RankCosts, opt: OptimizerMemory, accumulate: bool = False) -> Plan:
@@ -315,7 +338,7 @@ def batch_of(inputs: Inputs) -> int | None:
 def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = None, device: str | None = None,
              loss_fn: Callable | None = None, leaf_modules=None, capture: str = "auto",
              calibrate: bool | None = None, headroom: Headroom | None = None,
-             parallel: Parallel | None = None) -> Estimate:
+             parallel: Parallel | None = None, keep_output: bool = False) -> Estimate:
     """Predicted peak of one training step, optimizer step included, without and with the optimal plan.
 
     Parameters
@@ -343,6 +366,12 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     parallel : Parallel, optional
         One rank of a DDP or FSDP2 run (:class:`ckptopt.planning.Parallel`): ``example_inputs``
         is then the rank's local batch, and the figures are one rank's (``docs/design.md`` §13).
+    keep_output : bool, default False
+        The loop keeps the model's output through the step (``out = model(x);
+        loss_fn(out).backward(); opt.step()``): its bytes are alive wherever the modelled
+        step (``loss_fn(model(x)).backward()``) frees them, and the previous step's output
+        through the forward. Measured on a fake copy with both plans (four fake steps);
+        not with ``parallel``.
 
     Returns
     -------
@@ -371,8 +400,14 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     rank = rank_costs(tm.costs, param_facts(model, tm if _sharded(parallel) else None, parallel=parallel),
                       tm.param_bytes, parallel)
     opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
-    none = peak_estimate(rank, (), opt, "no checkpointing")
     best = optimal_plan(rank, opt)
-    optimal = peak_estimate(rank, best, opt, "optimal plan")
+    kept = [(0, 0), (0, 0)]
+    if keep_output:
+        if parallel is not None:
+            raise ValueError("keep_output=True is not supported with parallel= yet: plan one process, or free the "
+                             "output before backward (loss_fn(model(x)).backward())")
+        kept = kept_output_extra(model, inputs, loss_fn, tm, [(), best])
+    none = peak_estimate(rank, (), opt, "no checkpointing", kept[0])
+    optimal = peak_estimate(rank, best, opt, "optimal plan", kept[1])
     return Estimate(batch_of(inputs), tm.n, opt, rank.param_bytes, rank.grad_bytes, none, optimal, hr, calibrated,
                     parallel)
