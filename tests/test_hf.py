@@ -390,3 +390,36 @@ def test_planning_leaves_no_fake_mode_and_no_real_tensor_behind(name):
     assert modes_after == modes
     own = {t.untyped_storage().data_ptr() for t in vars(module).values() if isinstance(t, torch.Tensor)}
     assert real_after - real - own == set()
+
+
+def test_an_estimate_that_keeps_the_outputs_is_the_loop_that_keeps_them():
+    """``outputs = model(**batch); outputs.loss.backward(); opt.step()`` keeps the logits through
+    the step: ``estimate(keep_output=True)`` is that loop's measured peak (Adam, both plans),
+    the 8-byte loss aside, and more than the modelled step's by the logits."""
+    from ckptopt import Plan, apply_plan, trace
+    from ckptopt.planning import estimate
+    from ckptopt.tracker import StorageTracker
+
+    model, batch = build("LlamaForCausalLM", batch=2, seq=64)
+    kept = estimate(model, batch, optimizer="adam", keep_output=True)
+    plain = estimate(model, batch, optimizer="adam")
+    tm = trace(model, batch)
+    logits = 2 * 64 * model.config.vocab_size * 4
+    for pe, pp in ((kept.no_checkpointing, plain.no_checkpointing), (kept.optimal, plain.optimal)):
+        module = apply_plan(model, tm, Plan(pe.checkpoints, 0, "given", 0.0, tm.n, pe.stored)) if pe.checkpoints \
+            else model
+        opt = torch.optim.Adam(module.parameters())
+        tracker = StorageTracker()
+        tracker.register(model, batch)
+        outputs = None
+        with tracker:
+            for i in range(3):
+                opt.zero_grad(set_to_none=True)
+                if i == 2:
+                    tracker.reset_peak()
+                outputs = module(**batch)
+                outputs.loss.backward()
+                opt.step()
+        del outputs
+        assert tracker.peak_bytes - pe.peak_bytes in (0, 8)
+        assert pe.peak_bytes - pp.peak_bytes == pe.breakdown.kept_output == logits
