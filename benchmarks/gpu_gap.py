@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
-def _load(name: str, device: str):
+def _load(name: str, device: str, scale: int = 1):
     import gpu_accuracy
     import gpu_models
 
@@ -45,7 +45,9 @@ def _load(name: str, device: str):
         return model, with_batch(inputs, int(batch), kw["batch_size"]), loss
     if name in gpu_models.MODELS:
         suite = gpu_models.MODELS[name]
-        return suite.build_model(name).to(device), gpu_models._to(suite.make_batch(name), device), gpu_models._loss_fn(name)
+        batch = (suite.make_batch(name, gpu_models._default_batch(suite, name) * scale) if scale != 1
+                 else suite.make_batch(name))
+        return suite.build_model(name).to(device), gpu_models._to(batch, device), gpu_models._loss_fn(name)
     spec, kw = gpu_accuracy.GPU_SIZES[name]
     return gpu_accuracy._load(spec, kw, device)
 
@@ -71,7 +73,7 @@ def _predicted_timelines(module) -> dict:
     return out
 
 
-def run_case(name: str, plan: str, device: str) -> dict:
+def run_case(name: str, plan: str, device: str, scale: int = 1) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -80,7 +82,7 @@ def run_case(name: str, plan: str, device: str) -> dict:
     from ckptopt.tracker import StorageTracker
 
     cuda = device.startswith("cuda")
-    model, batch, loss_fn = _load(name, device)
+    model, batch, loss_fn = _load(name, device, scale)
     rec: dict = dict(model=name, plan=plan, device=device)
     module = model
     if plan.startswith("cps="):  # given checkpoints, on the tensor model's trace
@@ -142,9 +144,9 @@ def run_case(name: str, plan: str, device: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        name, plan, device, path = sys.argv[2:6]
+        name, plan, device, path, scale = sys.argv[2:7]
         try:
-            rec = run_case(name, plan, device)
+            rec = run_case(name, plan, device, int(scale))
         except BaseException as exc:  # noqa: BLE001 - recorded
             rec = dict(model=name, plan=plan, error=f"{type(exc).__name__}: {exc}"[:2000],
                        traceback=traceback.format_exc()[-4000:])
@@ -158,6 +160,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--batch-scale", type=int, default=1, help="a gpu_models.py model's batch times K (default 1)")
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -167,7 +170,8 @@ def main() -> None:
         name, plan = case.split(":")
         path = os.path.join(args.out_dir, f"gap_{name}_{plan}.json")
         procs.append((case, path, time.perf_counter(), subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", name, plan, args.device, path], env=env)))
+            [sys.executable, os.path.abspath(__file__), "--child", name, plan, args.device, path,
+             str(args.batch_scale)], env=env)))
     for case, path, t0, p in procs:
         try:
             p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
