@@ -125,12 +125,12 @@ def _plan(n: int, cps, st):
     return Plan(tuple(cps), 0, "given", 0.0, n, tuple(st))
 
 
-def max_batch_case(spec: str, kw: dict, memory: str, device: str) -> dict:
+def max_batch_case(spec: str, kw: dict, memory: str, device: str, keep_output: bool = False) -> dict:
     from ckptopt.planning import max_batch
 
     model, inputs, loss = _load(spec, kw, device)
     t0 = time.perf_counter()
-    mb = max_batch(model, inputs, memory, optimizer="adam", device=device, loss_fn=loss)
+    mb = max_batch(model, inputs, memory, optimizer="adam", device=device, loss_fn=loss, keep_output=keep_output)
     return dict(result=mb.to_dict(), seconds=time.perf_counter() - t0)
 
 
@@ -140,7 +140,8 @@ def _loss_of(module, x, loss):
     return loss(out) if loss else out.loss
 
 
-def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, device: str) -> dict:
+def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, device: str,
+               keep_output: bool = False) -> dict:
     import torch
 
     from ckptopt import apply_plan, trace
@@ -159,13 +160,17 @@ def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, devi
     else:
         module = model
     opt = torch.optim.Adam(module.parameters(), lr=1e-4)
+    out = None
     try:
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
-            # the modelled step: the output dies with the loss (a loop that keeps ``out`` through
-            # backward holds its bytes on top: RESULTS "Max batch on CUDA")
-            _loss_of(module, x, loss).backward()
+            if keep_output:  # the loop max_batch(keep_output=True) plans for
+                out = module(*x) if isinstance(x, tuple) else module(**x)
+                (loss(out) if loss else out.loss).backward()
+            else:  # the modelled step: the output dies with the loss (RESULTS "Max batch on CUDA")
+                _loss_of(module, x, loss).backward()
             opt.step()
+        del out
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             return dict(fits=True, allocated=int(torch.cuda.max_memory_allocated()),
@@ -195,9 +200,10 @@ def _run_child(payload: dict) -> dict:
     if kind == "peak":
         return peak_case(payload["spec"], payload["kw"], payload["plan"], payload["device"])
     if kind == "max_batch":
-        return max_batch_case(payload["spec"], payload["kw"], payload["memory"], payload["device"])
+        return max_batch_case(payload["spec"], payload["kw"], payload["memory"], payload["device"],
+                              payload.get("keep_output", False))
     return train_case(payload["spec"], payload["kw"], payload["batch"], payload["checkpoints"], payload["stored"],
-                      payload["memory_bytes"], payload["device"])
+                      payload["memory_bytes"], payload["device"], payload.get("keep_output", False))
 
 
 def _write(results: dict, path: str) -> None:
@@ -215,6 +221,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     ap.add_argument("--memory", help="the cap of the max-batch checks (default 8GiB; 64MiB with --small)")
     ap.add_argument("--no-max-batch", action="store_true")
+    ap.add_argument("--keep-output", action="store_true",
+                    help="max batch for, and trained with, a loop that keeps the model's output (keep_output=True)")
     ap.add_argument("--no-peaks", action="store_true")
     ap.add_argument("--out", help="the JSON written after every case (default benchmarks/results/gpu_accuracy[_small].json)")
     args = ap.parse_args(argv)
@@ -244,7 +252,8 @@ def main(argv=None) -> int:
 
         memory = parse_bytes(args.memory)
         for name, (spec, kw) in (SMALL_MAX_BATCH if args.small else MAX_BATCH).items():
-            mb = _child(dict(kind="max_batch", spec=spec, kw=kw, memory=args.memory, device=device))
+            mb = _child(dict(kind="max_batch", spec=spec, kw=kw, memory=args.memory, device=device,
+                             keep_output=args.keep_output))
             entry = results["max_batch"][name] = dict(search=mb, runs=[])
             if "result" not in mb:
                 print(name, "max_batch failed:", mb, flush=True)
@@ -254,7 +263,8 @@ def main(argv=None) -> int:
                 if not fit["batch"]:
                     continue
                 run = _child(dict(kind="train", spec=spec, kw=kw, batch=fit["batch"], checkpoints=fit["checkpoints"],
-                                  stored=fit["stored"], memory_bytes=memory, device=device))
+                                  stored=fit["stored"], memory_bytes=memory, device=device,
+                                  keep_output=args.keep_output))
                 entry["runs"].append(dict(strategy=strategy, batch=fit["batch"], predicted=fit["peak_bytes"], **run))
                 print(name, strategy, fit["batch"], run, flush=True)
     _write(results, path)

@@ -32,16 +32,20 @@ STRATEGIES = {"no_checkpointing": "none", "optimal": "optimal"}
 ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
 
 
-def _step(module, x, loss, opt) -> None:
+def _step(module, x, loss, opt, keep_output: bool = False, kept: list | None = None) -> None:
     import gpu_accuracy
 
     opt.zero_grad(set_to_none=True)
-    gpu_accuracy._loss_of(module, x, loss).backward()  # the output dies with the loss, as modelled
+    if keep_output:  # out = model(x); loss(out).backward(): kept to the next step's forward
+        kept[:] = [module(*x) if isinstance(x, tuple) else module(**x)]
+        (loss(kept[0]) if loss else kept[0].loss).backward()
+    else:
+        gpu_accuracy._loss_of(module, x, loss).backward()  # the output dies with the loss, as modelled
     opt.step()
 
 
 def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps, st, step: int, tries: int,
-             device: str) -> dict:
+             device: str, keep_output: bool = False) -> dict:
     import torch
 
     import gpu_accuracy
@@ -69,8 +73,10 @@ def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps,
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         try:
+            kept: list = []
             for _ in range(2):
-                _step(module, x, loss, opt)
+                _step(module, x, loss, opt, keep_output, kept)
+            del kept
             row = dict(batch=b, fits=True)
             if cuda:
                 torch.cuda.synchronize()
@@ -117,7 +123,7 @@ def main() -> None:
         p = json.loads(sys.argv[2])
         try:
             rec = run_case(p["model"], p["strategy"], p["memory_bytes"], p["batch"], p["checkpoints"], p["stored"],
-                           p["step"], p["tries"], p["device"])
+                           p["step"], p["tries"], p["device"], p.get("keep_output", False))
         except Exception as exc:  # noqa: BLE001 - recorded
             rec = dict(error=f"{type(exc).__name__}: {exc}"[:1000])
         print(json.dumps(rec))
@@ -129,6 +135,8 @@ def main() -> None:
     ap.add_argument("--tries", type=int, default=8)
     ap.add_argument("--allocators", default=",".join(ALLOCATORS))
     ap.add_argument("--jobs", type=int, default=8)
+    ap.add_argument("--keep-output", action="store_true",
+                    help="train a loop that keeps the model's output (for answers of gpu_accuracy.py --keep-output)")
     ap.add_argument("--timeout", type=float, default=400.0)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_max_batch.json"))
     args = ap.parse_args()
@@ -144,7 +152,7 @@ def main() -> None:
                 todo.append(dict(model=model_name, strategy=strategy, memory_bytes=res["memory_bytes"],
                                  batch=fit["batch"], predicted=fit["peak_bytes"], checkpoints=fit["checkpoints"],
                                  stored=fit["stored"], step=max(1, round(args.step * fit["batch"])),
-                                 tries=args.tries, device=args.device, allocator=alloc,
+                                 tries=args.tries, device=args.device, allocator=alloc, keep_output=args.keep_output,
                                  alloc_conf=ALLOCATORS[alloc]))
     meta = run_metadata("gpu_max_batch")
     meta["answers"] = args.answers

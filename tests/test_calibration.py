@@ -303,6 +303,9 @@ def test_the_default_cuda_headroom_follows_the_allocator_setting(monkeypatch):
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:False",
                         raising=False)
     assert not headroom_mod.expandable_segments()
+    monkeypatch.delattr(torch._C, "_accelerator_getAllocatorSettings", raising=False)  # (older torch: the env only)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert headroom_mod.expandable_segments()
 
 
 def test_max_batch_and_plans_keep_the_checkpointed_share_for_checkpointed_plans():
