@@ -166,7 +166,7 @@ def fake_mode():
     :data:`DEVICE_FAKE_IMPLS` this mode runs the real device's checks and makes
     the output itself; every other op runs as in ``FakeTensorMode``.
     """
-    return _fake_mode_class()(allow_non_fake_inputs=True)
+    return _fake_mode_class()()
 
 
 # Shadows: the real values of what the example inputs alone determine. Fake tensors carry shapes and
@@ -185,6 +185,17 @@ def _fake_mode_class():
     from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                                FakeTensor, FakeTensorMode, unset_fake_temporarily)
     data_dependent = (DynamicOutputShapeException, DataDependentOutputException)
+
+    def _reads_real(args, kwargs) -> bool:
+        """Whether an op's arguments hold a tensor that is not fake."""
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                if not isinstance(a, FakeTensor):
+                    return True
+            elif isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) and not isinstance(b, FakeTensor)
+                                                       for b in a):
+                return True
+        return False
 
     class DeviceFakeTensorMode(FakeTensorMode):
         def __init__(self, *args, **kwargs):
@@ -233,8 +244,8 @@ def _fake_mode_class():
 
         def dispatch(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            flat, spec = pytree.tree_flatten((args, kwargs))
-            if any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in flat):
+            if _reads_real(args, kwargs):  # (a cheap scan: ATen arguments nest one list deep at most)
+                flat, spec = pytree.tree_flatten((args, kwargs))
                 flat = [self._captured(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
                         for a in flat]
                 args, kwargs = pytree.tree_unflatten(flat, spec)
