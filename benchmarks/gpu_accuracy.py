@@ -140,6 +140,16 @@ def _loss_of(module, x, loss):
     return loss(out) if loss else out.loss
 
 
+def cap_memory(device: str, memory_bytes: int) -> None:
+    """Let this process's caching allocator reserve at most ``memory_bytes`` on ``device`` (CUDA)."""
+    import torch
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index  # (the call refuses a bare "cuda")
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+
+
 def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, device: str,
                keep_output: bool = False) -> dict:
     import torch
@@ -150,10 +160,7 @@ def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, devi
     model, inputs, loss = _load(spec, kw, device)
     x = with_batch(inputs, batch, kw["batch_size"])
     if device.startswith("cuda"):
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index  # (the call refuses a bare "cuda")
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+        cap_memory(device, memory_bytes)
     if cps:
         tm = trace(model, x, loss_fn=loss)
         module = apply_plan(model, tm, _plan(tm.n, cps, st))

@@ -60,10 +60,7 @@ def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps,
         tm = trace(model, with_batch(inputs, batch, kw["batch_size"]), loss_fn=loss)
         module = apply_plan(model, tm, gpu_accuracy._plan(tm.n, cps, st))
     if cuda:
-        index = torch.device(device).index
-        index = torch.cuda.current_device() if index is None else index
-        total = torch.cuda.get_device_properties(index).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_bytes / total), index)
+        gpu_accuracy.cap_memory(device, memory_bytes)
     rows, b, direction = [], batch, 0
     for _ in range(tries):
         x = with_batch(inputs, b, kw["batch_size"])

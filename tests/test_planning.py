@@ -322,3 +322,14 @@ def test_estimate_and_max_batch_count_an_output_the_loop_keeps():
                 if plan else model
             peak = _kept_loop_peak(module, xb, first, torch.optim.SGD(module.parameters(), lr=0.1))
             assert (peak <= memory + 8) if fits else (peak > memory)
+
+
+def test_keep_output_with_a_parallel_rank_is_refused_clearly():
+    from ckptopt.planning import Parallel, estimate, max_batch
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    for call in (lambda: estimate(model, x, parallel=Parallel(2, "ddp"), keep_output=True),
+                 lambda: max_batch(model, x, "64MiB", parallel=Parallel(2, "ddp"), keep_output=True)):
+        with pytest.raises(ValueError, match="keep_output=True is not supported with parallel= yet: plan one process"):
+            call()

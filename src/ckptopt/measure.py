@@ -120,8 +120,7 @@ def _kept_output_steps(model: nn.Module, inputs: Inputs, loss_fn: Callable | Non
     second step (the peak to measure starts there); returns ``output_bytes(out)``."""
     out = _forward(model, inputs)
     _loss_of(out, loss_fn).backward()
-    for p in model.parameters():
-        p.grad = None  # (zero_grad(set_to_none=True) before each step, as modelled)
+    model.zero_grad(set_to_none=True)  # (before each step, as modelled)
     between()
     new = _forward(model, inputs)
     out = new

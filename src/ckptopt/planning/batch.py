@@ -15,8 +15,8 @@ from ..tracer import trace
 from ..tracer.chain import trace_captured
 from ..tracer.meta import unmaterialized
 from ..units import parse_bytes
-from .estimate import (_sharded, batch_of, calibration_choice, optimal_plan, plan_recompute_share,
-                       sharded_leaves)
+from .estimate import (_sharded, batch_of, calibration_choice, check_keep_output, optimal_plan,
+                       plan_recompute_share, sharded_leaves)
 from .headroom import Headroom, check_calibrate, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts, plus_static
@@ -449,9 +449,8 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     none = search_batch(bc, "none", usable, opt)
     best = search_batch(bc, "optimal", usable_ckpt, opt)
     if calibrated or keep_output:
-        if keep_output and parallel is not None:
-            raise ValueError("keep_output=True is not supported with parallel= yet: plan one process, or free the "
-                             "output before backward (loss_fn(model(x)).backward())")
+        if keep_output:
+            check_keep_output(parallel)
         # (calibrated: the workspace is measured into the costs: keep only the allocator's share)
         kept = hr.without_workspace() if calibrated else hr
         none = lowered_fit(bc, none, kept.usable(mem), opt, calibrated, keep_output)

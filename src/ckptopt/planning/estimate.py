@@ -170,6 +170,13 @@ def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerM
     return PeakEstimate(label, cps, peak, fb, stp, at, layer, name, bd, redo, share, stored)
 
 
+def check_keep_output(parallel: Parallel | None) -> None:
+    """``keep_output=True`` plans one process."""
+    if parallel is not None:
+        raise ValueError("keep_output=True is not supported with parallel= yet: plan one process, or free the "
+                         "output before backward (loss_fn(model(x)).backward())")
+
+
 def kept_output_extra(model, inputs: Inputs, loss_fn, traced, plans) -> list[tuple[int, int]]:
     """For each plan (``()``: none), what a loop that keeps the model's output adds to the forward
     and backward's peak, and the output's bytes: measured on one fake copy, a kept-output step
@@ -403,9 +410,7 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     best = optimal_plan(rank, opt)
     kept = [(0, 0), (0, 0)]
     if keep_output:
-        if parallel is not None:
-            raise ValueError("keep_output=True is not supported with parallel= yet: plan one process, or free the "
-                             "output before backward (loss_fn(model(x)).backward())")
+        check_keep_output(parallel)
         kept = kept_output_extra(model, inputs, loss_fn, tm, [(), best])
     none = peak_estimate(rank, (), opt, "no checkpointing", kept[0])
     optimal = peak_estimate(rank, best, opt, "optimal plan", kept[1])

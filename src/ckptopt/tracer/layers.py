@@ -330,7 +330,6 @@ class _Found:
                 before += storage_nbytes(values[streams.nodes[t]])
         self.together = []
 
-
     def _may_be_held(self, streams: Streams, t: int, j: int) -> tuple:
         """How likely side tensor ``t`` is held by a segment before layer ``j``'s (its chain order)."""
         early = sum(1 for u in streams.consumers[t] if u < j)
