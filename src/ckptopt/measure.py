@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -149,15 +149,18 @@ def _with_checkpoints(model: nn.Module, inputs: Inputs, loss_fn, checkpoints, st
 
 def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
                 build: Callable[[nn.Module, Any], nn.Module], timeline: bool = False,
-                keep_output: bool = False) -> list[PeakMeasurement]:
+                keep_output: bool | Sequence[bool] = False) -> list[PeakMeasurement]:
     """One fake-tensor copy of ``model``; for each plan, the tracked peak of one step of
-    ``build(copy, plan)`` (the copy itself for ``None``), or with ``keep_output`` of a loop's
-    step that keeps the output (:func:`_kept_output_steps`). Nothing is allocated."""
+    ``build(copy, plan)`` (the copy itself for ``None``), or with ``keep_output`` (one flag, or
+    one per plan) of a loop's step that keeps the output (:func:`_kept_output_steps`). Nothing is
+    allocated."""
     fake = fake_copy(model, inputs)
     tensors = fake.inputs.tensors()
     dev = tensors[0].device if tensors else torch.device("cpu")
     out = []
-    for plan in plans:
+    plans = list(plans)
+    keeps = [keep_output] * len(plans) if isinstance(keep_output, bool) else list(keep_output)
+    for plan, keep in zip(plans, keeps):
         run = fake.model if plan is None else build(fake.model, plan)
         for prm in fake.model.parameters():
             prm.grad = None
@@ -166,7 +169,7 @@ def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
             with fake.mode, torch.enable_grad():
                 tracker.register(fake.model, tensors)
                 with tracker:
-                    size = _tracked_step(run, fake.inputs, loss_fn, tracker, keep_output)
+                    size = _tracked_step(run, fake.inputs, loss_fn, tracker, keep)
             out.append(PeakMeasurement(int(tracker.peak_bytes), None, dev, tracker.timeline, size))
         finally:
             tracker.detach()

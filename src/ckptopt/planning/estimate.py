@@ -187,8 +187,9 @@ def kept_output_extra(model, inputs: Inputs, loss_fn, traced, plans) -> list[tup
     plans = [None if not (p.checkpoints if isinstance(p, Plan) else p) else
              (p if isinstance(p, Plan) else Plan(tuple(p), 0, "given", 0.0, traced.n, ())) for p in plans]
     build = lambda fm, p: apply_plan(fm, traced, p)  # noqa: E731
-    plain = _fake_peaks(model, inputs, loss_fn, plans, build)
-    kept = _fake_peaks(model, inputs, loss_fn, plans, build, keep_output=True)
+    flags = [False] * len(plans) + [True] * len(plans)
+    runs = _fake_peaks(model, inputs, loss_fn, plans * 2, build, keep_output=flags)
+    plain, kept = runs[:len(plans)], runs[len(plans):]  # (one fake copy for both)
     return [(max(0, k.peak_bytes - m.peak_bytes), int(k.output_bytes or 0)) for k, m in zip(kept, plain)]
 
 
