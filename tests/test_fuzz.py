@@ -1195,3 +1195,24 @@ def test_regression_a_lone_side_outputs_gradient_is_laid_out_as_its_reader_hands
     _assert_exact_by_phase(model, x, tm, [(5, 8, 10), (5, 7, 9, 10), (2, 5, 6, 7, 8, 10, 12), (), (3, 6)])
     model, x, tm = _traced(REGRESSION_A_TOWERS_GROUPNORM_OUTPUT_IS_A_STRIDED_SLICE, 1025444167)
     _assert_exact_by_phase(model, x, tm, [(2, 7, 8, 9, 10, 11), (2, 4, 5, 7), (2, 3, 7, 8, 9, 10)])
+
+
+# Issue-19 fuzz (replayed 2026-11-26, eighth session), seed 351231170, and 12 more of the 22 models
+# recorded inexact: a LayerNorm's output crosses the cut as a side tensor and a linear layer in the
+# same checkpointed segment saves it. Recomputed, that copy is handed out once and dies when the
+# linear's backward node returns, before the engine sums the bias gradient; its release split was
+# measured as autograd keeps it (after the sum): over by the bias gradient (28 B here, up to 120 B).
+# The measurement now hands the backward a copy of a saved side input and splits at its death too
+# (``SideTensor.saved_pre_rec``/``saved_post_rec``, taken where the saver is recomputed).
+REGRESSION_A_RECOMPUTED_SIDE_COPY_DIES_WITH_ITS_NODE = Spec(family='mlp', dtype='float32', batch=3, shape=(7,), nodes=(
+    Node(op='ln', inputs=(0,), width=0, inplace=''), Node(op='linear', inputs=(1,), width=7, inplace=''),
+    Node(op='tanh', inputs=(2,), width=0, inplace=''), Node(op='cat', inputs=(3, 1), width=0, inplace=''),
+    Node(op='linear', inputs=(4,), width=7, inplace='')),
+    classes=2, input_requires_grad=False, dropout_p=0.3, kind='skip')
+
+
+def test_regression_a_recomputed_side_copy_dies_before_the_bias_gradient_is_summed():
+    model, x, tm = _traced(REGRESSION_A_RECOMPUTED_SIDE_COPY_DIES_WITH_ITS_NODE, 351231170)
+    split = [t for t in tm.costs.side if t.saved_pre_rec]
+    assert split and all(t.saved_pre_rec != t.saved_pre for t in split)
+    _assert_exact_by_phase(model, x, tm, [(2, 3, 4, 5, 6), (2,), (2, 4), (1, 2), ()])

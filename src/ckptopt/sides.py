@@ -76,6 +76,11 @@ class SideTensor:
     last_gain_full : int or None
         The same for the layer's whole forward (an unwrapped segment's, where it runs to its end),
         at most 0; None: ``last_gain``.
+    saved_pre_rec, saved_post_rec : tuple of int
+        ``saved_pre``/``saved_post`` where the saving layer is recomputed with the tensor's producer:
+        the recomputed copy is handed out once and dies when the backward node that read it returns,
+        before the engine sums that node's gradients to their shapes (a bias's), where autograd
+        elsewhere keeps it until after. Empty: as ``saved_pre``/``saved_post``.
     """
 
     bytes: int
@@ -90,6 +95,8 @@ class SideTensor:
     grad_by: tuple[int, ...] = ()
     last_gain: int = 0
     last_gain_full: int | None = None
+    saved_pre_rec: tuple[int, ...] = ()
+    saved_post_rec: tuple[int, ...] = ()
 
     @property
     def grad_bytes(self) -> int:
@@ -135,6 +142,9 @@ class SideTensor:
         if self.saved_pre:
             out["saved_pre"] = [int(x) for x in self.saved_pre]
             out["saved_post"] = [int(x) for x in self.saved_post]
+        if self.saved_pre_rec:
+            out["saved_pre_rec"] = [int(x) for x in self.saved_pre_rec]
+            out["saved_post_rec"] = [int(x) for x in self.saved_post_rec]
         if self.last_gain:
             out["last_gain"] = int(self.last_gain)
         if self.last_gain_full is not None and self.last_gain_full != self.last_gain:
@@ -174,6 +184,8 @@ class SideArrays(NamedTuple):
     svu: np.ndarray
     svpre: np.ndarray
     svpost: np.ndarray
+    svpre_r: np.ndarray
+    svpost_r: np.ndarray
     hasrel: np.ndarray
     fpre: np.ndarray
     fpost: np.ndarray
@@ -235,11 +247,13 @@ class SideArrays(NamedTuple):
                                 outlives = True     # backward, lets the view go within it)
                 # ... but it then outlives the layer's backward, which its b assumed freed
                 out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
-        svptr, svu, svpre, svpost, hasrel = [0], [], [], [], []
+        svptr, svu, svpre, svpost, svpre_r, svpost_r, hasrel = [0], [], [], [], [], [], []
         for t in side:
             svu.extend(t.saved_by)
             svpre.extend(t.saved_pre or [0] * len(t.saved_by))
             svpost.extend(t.saved_post or [0] * len(t.saved_by))
+            svpre_r.extend(t.saved_pre_rec or t.saved_pre or [0] * len(t.saved_by))
+            svpost_r.extend(t.saved_post_rec or t.saved_post or [0] * len(t.saved_by))
             hasrel.append(1 if t.saved_pre else 0)
             svptr.append(len(svu))
         have = fpre is not None and fpost is not None
@@ -247,7 +261,7 @@ class SideArrays(NamedTuple):
         fq = list(fpost) if have else [0] * n
         hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
         arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
-                  svptr, svu, svpre, svpost, hasrel, fp, fq, [t.last_gain for t in side],
+                  svptr, svu, svpre, svpost, svpre_r, svpost_r, hasrel, fp, fq, [t.last_gain for t in side],
                   [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side]]
         out = []
         for x in arrays:
@@ -268,14 +282,16 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
-                                "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full"}
+                                "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full",
+                                "saved_pre_rec", "saved_post_rec"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
                 t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
                                t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
                                tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
-                               tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"))
+                               tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"),
+                               tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -308,9 +324,15 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if (pre or post) and not (len(pre) == len(post) == len(t.saved_by)):
             raise InvalidCosts(f"{where}: saved_pre and saved_post need one entry per saved_by layer", field="side",
                                index=k)
+        pre_r, post_r = tuple(int(x) for x in t.saved_pre_rec), tuple(int(x) for x in t.saved_post_rec)
+        if (pre_r or post_r) and not (pre and len(pre_r) == len(post_r) == len(t.saved_by)):
+            raise InvalidCosts(f"{where}: saved_pre_rec and saved_post_rec need saved_pre and one entry per "
+                               "saved_by layer", field="side", index=k)
         if pre:  # in the order of the sorted saved_by
             order = sorted(range(len(t.saved_by)), key=lambda q: int(t.saved_by[q]))
             pre, post = tuple(pre[q] for q in order), tuple(post[q] for q in order)
+            if pre_r:
+                pre_r, post_r = tuple(pre_r[q] for q in order), tuple(post_r[q] for q in order)
         gby = tuple(sorted(set(int(u) for u in t.grad_by)))
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
@@ -323,7 +345,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                    "forward peak changes by when it dies there)", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
                               pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
-                              None if full is None else int(full)))
+                              None if full is None else int(full), pre_r, post_r))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

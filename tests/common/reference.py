@@ -163,16 +163,18 @@ def _full(c, checkpoints, stored):
         for tok, first in rec_side:
             if first == i:
                 tokens.add(tok)
-                add += own_gain(int(tok[2:]), i, size[tok])
+                add += own_gain(int(tok[2:]), i, size[tok], rec=True)
         if frame:
             add += gain(frame, int(c.fpre[i]), int(c.fpost[i])) if has_frame else frame
         return tokens, add
 
-    def own_gain(j, u, x):
+    def own_gain(j, u, x, rec=False):
         t = side[j]
         if not t.saved_pre:
             return x
         q = t.saved_by.index(u)
+        if rec and t.saved_pre_rec:  # a recomputed copy: it goes with the node that read it
+            return gain(x, t.saved_pre_rec[q], t.saved_post_rec[q])
         return gain(x, t.saved_pre[q], t.saved_post[q])
 
     def side_backward(i):

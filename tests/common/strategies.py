@@ -97,8 +97,13 @@ def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
         if savers and draw(st.booleans()):  # the savers' backward peaks before / from the release
             pre = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
             post = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+        pre_r = post_r = ()
+        if pre and draw(st.booleans()):  # ... where a recomputed copy goes with the node that read it
+            pre_r = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+            post_r = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
         gby = tuple(u for u in cons if draw(st.booleans())) if grad != 0 and draw(st.booleans()) else ()
-        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post, gby))
+        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post, gby,
+                              saved_pre_rec=pre_r, saved_post_rec=post_r))
     return out
 
 

@@ -60,16 +60,17 @@ def _first_saver(SD, j, lo, hi):
 
 
 @njit(cache=True)
-def _release_add(SD, j, u, sa):
+def _release_add(SD, j, u, sa, rec=False):
     """What side tensor ``j`` (``sa`` bytes) adds to layer ``u``'s backward when ``u``'s saved
     reference is the last to let it go: present until that moment of the backward (its peaks
-    before and from it, ``svpre``/``svpost``), ``sa`` throughout when they are not known."""
+    before and from it, ``svpre``/``svpost``; ``rec``: a recomputed copy, which goes with the node
+    that read it, ``svpre_r``/``svpost_r``), ``sa`` throughout when they are not known."""
     if SD.hasrel[j] == 0:
         return sa
     for q in range(SD.svptr[j], SD.svptr[j + 1]):
         if SD.svu[q] == u:
-            pre = SD.svpre[q]
-            post = SD.svpost[q]
+            pre = SD.svpre_r[q] if rec else SD.svpre[q]
+            post = SD.svpost_r[q] if rec else SD.svpost[q]
             top = pre if pre > post else post
             v = pre + sa
             return (v if v > post else post) - top
@@ -203,7 +204,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
-                        badd[rho] += _release_add(SD, j, rho, sa)
+                        badd[rho] += _release_add(SD, j, rho, sa, True)
     if frame and apply_frame:
         badd[fsv] += _frame_add(SD, fsv, frame)
     # the mask at r + 1, and the marks cleared

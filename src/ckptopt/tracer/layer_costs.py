@@ -9,7 +9,6 @@ storage tracker (:class:`ckptopt.tracker.StorageTracker`) and a
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import weakref
 from dataclasses import dataclass
@@ -20,9 +19,11 @@ from torch import nn
 
 from ..torch_utils import check_module, clone_layout, is_fake, no_lasting_state, resolve_device, tensor_leaves
 from ..tracker import StorageTracker, real_storage, storage_bytes, storage_key
-from .layer_grads import InjectGrad, _autocast_weight_casts, _FreshInput, _Packed, _Pending, _SharedGrad
-from .layer_series import (_all_released_at, _backward_peaks, _forward_peaks, _gone_at, _held_timelines,
-                           _list_input_copy, _peak_with_input, _relative_series, _shares, _split)
+from .layer_grads import InjectGrad, _autocast_weight_casts, _Packed, _Pending, _SharedGrad
+from .layer_series import (_all_released_at, _backward_peaks, _call_layer, _forward_pass, _forward_peaks,
+                           _fresh_inputs, _gone_at, _held_timelines, _key,
+                           _without_copies,
+                           _list_input_copy, _peak_with_input, _relative_series, _shares, _split, reachable)
 
 __all__ = ["LayerMeasurement", "measure_layer", "forward_flops"]
 
@@ -72,6 +73,7 @@ class LayerMeasurement:
     frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
     frame_post: int | None = None
     side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
+    side_in_release_rec: tuple = ()  # per side input: the same in a recomputed segment (its copy dies earlier)
     side_out_release: tuple = ()  # per side output: the same
     static_in_saved: tuple[bool, ...] = ()  # per static input: the layer saves it
     static_in_release: tuple = ()  # per static input: (b before, b from) its last saved reference's release
@@ -320,6 +322,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         input_bytes = x.untyped_storage().nbytes() if x is not None else 0
         x_storage = x.untyped_storage() if x is not None else None
         side_ptrs = [_key(t, fake) for t in sides]
+        side_keys_in = {k for k in side_ptrs if k is not None and k != x_ptr}
 
         # Every pack event: (a weak reference to what autograd keeps, storage key or None,
         # bytes, forward peak so far). A saved tensor counts only if autograd still keeps it
@@ -333,9 +336,24 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         released: list[tuple[int, bool]] = []
         released_keys: list[tuple[int, Any]] = []  # (timeline index, storage key) per saved tensor released
 
-        def on_release(holds_input: bool, key: Any) -> None:
+        # A recomputed side input is a copy of its own, handed out once: unpacking a saved side input
+        # hands the backward a copy laid out as it (``copies``: timeline indices from which the copy
+        # is made and counted, when it died, bytes; taken out again by _without_copies), which dies
+        # when the node that read it returns. The side input itself is held throughout by the caller.
+        # ``rec_gone``: (timeline index, key) per reference a recomputed copy would have: a copy's
+        # death, or the release of a saved reference never read.
+        copies: list[list] = []
+        rec_gone: list[tuple[int, Any]] = []
+
+        def on_release(holds_input: bool, key: Any, state: list) -> None:
             released.append((len(tracker.timeline), holds_input))
             released_keys.append((len(tracker.timeline), key))
+            if not state[1]:
+                rec_gone.append((len(tracker.timeline), key))
+
+        def on_copy_death(k: int, key: Any) -> None:
+            copies[k][2] = len(tracker.timeline)
+            rec_gone.append((len(tracker.timeline), key))
 
         # The backward runs once as in a recomputed segment: unpacking a saved tensor lets the
         # box go of it (a checkpoint hands out its recomputed tensors and keeps none), so the
@@ -374,8 +392,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             # only storages this layer created, or registered below (parameters, buffers,
             # input); a pre-existing one (an autocast cast-cache copy of a weight) is static
             key = ident(s) if s is not None and tracker.is_tracked(t) else None
-            box = _Packed(t.detach())  # detached: a saved output would otherwise keep its own graph alive
-            weakref.finalize(box, on_release, key is not None and key == x_ptr, key).atexit = False
+            state = [key, False]
+            box = _Packed(t.detach(), state)  # detached: a saved output would otherwise keep its own graph alive
+            weakref.finalize(box, on_release, key is not None and key == x_ptr, key, state).atexit = False
             if key is not None:
                 watch(s, key)
             packs.append((weakref.ref(box), key, s.nbytes() if key is not None else 0, len(tracker.timeline)))
@@ -394,6 +413,15 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
                 t = box.w()
             else:
+                box.state[1] = True
+                if box.state[0] is not None and box.state[0] in side_keys_in:
+                    i0 = len(tracker.timeline)
+                    t = clone_layout(t)
+                    st = real_storage(t, fake)
+                    watch(st, ident(st))
+                    copies.append([i0, len(tracker.timeline), None, st.nbytes()])
+                    weakref.finalize(st, on_copy_death, len(copies) - 1, box.state[0]).atexit = False
+                    del st
                 box.t = None
                 box.w = weakref.ref(t)
             return t
@@ -532,6 +560,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 k0 = len(tracker.timeline)
                 released.clear()  # (a dead branch's saved tensors die in the forward)
                 released_keys.clear()
+                rec_gone.clear()
                 alive_keys: dict[Any, int] = {}
                 for ref, key, *_ in packs:
                     if ref() is not None:
@@ -559,7 +588,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # node's release, the input held throughout), and as a recomputed segment has it
                 end_index = len(tracker.timeline)
                 x_gone = k0 if x_dead else deaths.get(x_ptr, (end_index,))[0] if x_ptr is not None else end_index
-                timeline, rec_timeline = _held_timelines(tracker.timeline, k0, deaths, released_keys, alive_keys,
+                timeline, rec_timeline = _held_timelines(_without_copies(tracker.timeline, copies), k0, deaths,
+                                                         released_keys, alive_keys,
                                                          x_ptr, x_gone, input_bytes)
                 peaks = _backward_peaks(timeline, k0, backward_start, input_bytes, released, alive, alive_input)
                 # in a recomputed segment: b (the input held, or by nothing else: gone once the node
@@ -580,6 +610,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 frame = _split(rec_series, k0, _gone_at(released_keys, alive_keys, None))
                 side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                  if alive_keys.get(key) else None) for key in side_ptrs]
+                # ... and in a recomputed segment, where the recomputed copy goes with the last node
+                # that read it (before the engine reduces that node's gradients: a bias's sum)
+                side_release_rec = [(_split(rec_series, k0, _gone_at(rec_gone, alive_keys, key))
+                                     if alive_keys.get(key) else None) for key in side_ptrs]
                 # a side output the layer saves is in the backward's starting bytes (unlike a side
                 # input, nothing but the saved reference holds it here, as in the model, where the
                 # producer's backward comes last): counted whole on top of b, released or not
@@ -667,112 +701,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         frame_pre=int(frame[0]),
         frame_post=int(frame[1]),
         side_in_release=tuple(side_release),
+        side_in_release_rec=tuple(side_release_rec),
         side_out_release=tuple(side_out_release),
         static_in_saved=tuple(k is not None and k in saved for k in static_keys),
         static_in_release=tuple(static_release),
     )
-
-
-def _fresh_inputs(example_input: torch.Tensor | None, input_requires_grad: bool, leaf_input: bool,
-                  side_inputs: list, dev: Any, record: dict, side_records: list[dict]) -> tuple[Any, list]:
-    """The layer's chain input and side inputs, fresh copies laid out as in the model, held by nothing
-    but the caller: requiring grad as in the model (through :class:`_FreshInput`, which tells
-    ``record`` about the gradient it receives; a leaf where the model input is one)."""
-    x = None
-    if example_input is not None:
-        holder = [clone_layout(example_input)]
-        if input_requires_grad and leaf_input:
-            x = holder.pop().requires_grad_(True)
-        elif input_requires_grad:
-            x = _FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), holder, record)
-        else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
-            x = holder.pop()
-    sides = []
-    for t, rec_t in zip(side_inputs, side_records):
-        h = [clone_layout(t)]
-        sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t)
-                     if t.requires_grad else h.pop())
-    return x, sides
-
-
-def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> Any:
-    """Run the layer on ``inputs``; ``freeing`` (:func:`_list_input_copy`) empties the list on entry, so
-    an input the caller no longer holds dies at its last use inside the layer."""
-    return freeing(inputs) if freeing is not None else module(*inputs)
-
-
-def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
-                  input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
-                  casts: list, fake: bool, dev: Any, keep_saves: bool,
-                  drop_side: int | None = None) -> tuple[int, int, int, int]:
-    """``(with the input held, as it went)``: the layer's forward transient, relative as ``f``, in one more
-    forward on fresh inputs; then the same up to the forward's last pack (as ``fs``, ``ffs``; 0 if none).
-
-    ``keep_saves`` False: under a pack hook that keeps nothing, as a checkpoint's first pass runs
-    (``fc``, ``ffc``): non-reentrant checkpoint keeps none of the tensors the forward saves, so each
-    dies at its last use, where autograd elsewhere keeps it to the backward (a normalization's
-    input, a dead branch's). ``drop_side``: side input ``k`` held by nothing but the call, so that it
-    dies at its last use inside the layer, as it does in the model where this layer reads it last
-    and nothing holds it (no save, no checkpoint). The other side inputs are held throughout, as
-    the call holds them (docs/design.md §3-4). ``freeing``: the measurement's
-    :func:`_list_input_copy` of the module (None where the input is a leaf or the module no graph).
-    """
-    x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, {},
-                             [{} for _ in side_inputs])
-    input_bytes = x.untyped_storage().nbytes() if x is not None else 0
-    died: list[int] = []
-    tracker = StorageTracker(fake=fake, timeline=True)
-    if x is not None:
-        weakref.finalize(real_storage(x, fake), lambda: died.append(len(tracker.timeline))).atexit = False
-    tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
-    start = tracker.current_bytes
-    packed: list[int] = []  # the timeline's length at each pack
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        packed.append(len(tracker.timeline))
-        return t.detach()  # (a saved output returned as itself: a cycle through its grad_fn, never freed)
-
-    hooks = torch.autograd.graph.saved_tensors_hooks(keep if keep_saves else (lambda t: None), lambda t: t)
-    try:
-        with tracker:
-            f_start = len(tracker.timeline)
-            with hooks:
-                inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
-                if freeing is not None:
-                    x = None
-                    if drop_side is not None:
-                        sides[drop_side] = None
-                y = _call_layer(module, freeing, inputs)
-                del inputs
-            end = len(tracker.timeline)
-            gone = died[0] if died else end
-            held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, gone)
-            # (and up to the last pack: where a recomputation ending in this layer stops)
-            pheld, pfree = (_forward_peaks(tracker.timeline, f_start, packed[-1], start, input_bytes, gone)
-                            if packed else (start, start))
-            del y
-    finally:
-        tracker.detach()
-    return int(held - start), int(free - start), int(pheld - start), int(pfree - start)
-
-
-def _key(t: torch.Tensor, fake: bool) -> Any:
-    """The storage key of ``t``, or None for an empty (or storage-less) tensor."""
-    s = real_storage(t, fake)
-    return storage_key(s) if s is not None else None
-
-
-def reachable(outputs: list[torch.Tensor]) -> set:
-    """The autograd nodes a backward from ``outputs`` reaches."""
-    seen: set = set()
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
-    return seen
 
 
 def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: Iterable[torch.Tensor] = ()) -> int:

@@ -189,11 +189,12 @@ class _Packed:
     it lets go of the tensor, as a checkpoint's recomputation does (``w`` finds it again while
     the backward still holds it)."""
 
-    __slots__ = ("t", "w", "__weakref__")
+    __slots__ = ("t", "w", "state", "__weakref__")
 
-    def __init__(self, t: torch.Tensor):
+    def __init__(self, t: torch.Tensor, state: list | None = None):
         self.t = t
         self.w = None
+        self.state = state  # [storage key, unpacked yet], shared with the release callback
 
 
 def _unpack(box: _Packed) -> torch.Tensor:

@@ -3,10 +3,15 @@ them (docs/design.md §3): helpers of :func:`ckptopt.tracer.layer_costs.measure_
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
+
+from ..torch_utils import clone_layout
+from ..tracker import StorageTracker, real_storage, storage_key
+from .layer_grads import _FreshInput
 
 
 def _shares(side: dict, main: dict) -> str | int | None:
@@ -174,3 +179,120 @@ def _backward_peaks(timeline: list, k0: int, start: int, input_bytes: int, relea
             best = max(best, timeline[k][2] - (input_bytes if k >= gone else 0))
         out.append(best - base)
     return out[0], out[1], out[2]
+
+
+def _key(t: torch.Tensor, fake: bool) -> Any:
+    """The storage key of ``t``, or None for an empty (or storage-less) tensor."""
+    s = real_storage(t, fake)
+    return storage_key(s) if s is not None else None
+
+
+def reachable(outputs: list[torch.Tensor]) -> set:
+    """The autograd nodes a backward from ``outputs`` reaches."""
+    seen: set = set()
+    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return seen
+
+
+def _without_copies(timeline: list, copies: list[list]) -> list:
+    """``timeline`` without the copies a measurement made of saved side inputs as the backward read
+    them (``[made from, counted from, died at or None, bytes]``): each entry as if the copy were the
+    original, which the caller holds throughout."""
+    if not copies:
+        return timeline
+    out = [list(e) for e in timeline]
+    for i0, i1, died, nbytes in copies:
+        for k in range(i0, i1):
+            out[k][2] = out[i0 - 1][2] if i0 else out[k][2] - nbytes
+        for k in range(i1, len(out) if died is None else died):
+            out[k][2] -= nbytes
+    return [tuple(e) for e in out]
+
+
+def _fresh_inputs(example_input: torch.Tensor | None, input_requires_grad: bool, leaf_input: bool,
+                  side_inputs: list, dev: Any, record: dict, side_records: list[dict]) -> tuple[Any, list]:
+    """The layer's chain input and side inputs, fresh copies laid out as in the model, held by nothing
+    but the caller: requiring grad as in the model (through :class:`_FreshInput`, which tells
+    ``record`` about the gradient it receives; a leaf where the model input is one)."""
+    x = None
+    if example_input is not None:
+        holder = [clone_layout(example_input)]
+        if input_requires_grad and leaf_input:
+            x = holder.pop().requires_grad_(True)
+        elif input_requires_grad:
+            x = _FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), holder, record)
+        else:  # e.g. the first layer of a model, fed with data: no input gradient is computed
+            x = holder.pop()
+    sides = []
+    for t, rec_t in zip(side_inputs, side_records):
+        h = [clone_layout(t)]
+        sides.append(_FreshInput.apply(torch.empty(0, device=dev, requires_grad=True), h, rec_t)
+                     if t.requires_grad else h.pop())
+    return x, sides
+
+
+def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> Any:
+    """Run the layer on ``inputs``; ``freeing`` (:func:`_list_input_copy`) empties the list on entry, so
+    an input the caller no longer holds dies at its last use inside the layer."""
+    return freeing(inputs) if freeing is not None else module(*inputs)
+
+
+def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
+                  input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
+                  casts: list, fake: bool, dev: Any, keep_saves: bool,
+                  drop_side: int | None = None) -> tuple[int, int, int, int]:
+    """``(with the input held, as it went)``: the layer's forward transient, relative as ``f``, in one more
+    forward on fresh inputs; then the same up to the forward's last pack (as ``fs``, ``ffs``; 0 if none).
+
+    ``keep_saves`` False: under a pack hook that keeps nothing, as a checkpoint's first pass runs
+    (``fc``, ``ffc``): non-reentrant checkpoint keeps none of the tensors the forward saves, so each
+    dies at its last use, where autograd elsewhere keeps it to the backward (a normalization's
+    input, a dead branch's). ``drop_side``: side input ``k`` held by nothing but the call, so that it
+    dies at its last use inside the layer, as it does in the model where this layer reads it last
+    and nothing holds it (no save, no checkpoint). The other side inputs are held throughout, as
+    the call holds them (docs/design.md §3-4). ``freeing``: the measurement's
+    :func:`_list_input_copy` of the module (None where the input is a leaf or the module no graph).
+    """
+    x, sides = _fresh_inputs(example_input, input_requires_grad, leaf_input, side_inputs, dev, {},
+                             [{} for _ in side_inputs])
+    input_bytes = x.untyped_storage().nbytes() if x is not None else 0
+    died: list[int] = []
+    tracker = StorageTracker(fake=fake, timeline=True)
+    if x is not None:
+        weakref.finalize(real_storage(x, fake), lambda: died.append(len(tracker.timeline))).atexit = False
+    tracker.register(module, *([x] if x is not None else []), *sides, *casts, *static_inputs)
+    start = tracker.current_bytes
+    packed: list[int] = []  # the timeline's length at each pack
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        packed.append(len(tracker.timeline))
+        return t.detach()  # (a saved output returned as itself: a cycle through its grad_fn, never freed)
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep if keep_saves else (lambda t: None), lambda t: t)
+    try:
+        with tracker:
+            f_start = len(tracker.timeline)
+            with hooks:
+                inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
+                if freeing is not None:
+                    x = None
+                    if drop_side is not None:
+                        sides[drop_side] = None
+                y = _call_layer(module, freeing, inputs)
+                del inputs
+            end = len(tracker.timeline)
+            gone = died[0] if died else end
+            held, free = _forward_peaks(tracker.timeline, f_start, end, start, input_bytes, gone)
+            # (and up to the last pack: where a recomputation ending in this layer stops)
+            pheld, pfree = (_forward_peaks(tracker.timeline, f_start, packed[-1], start, input_bytes, gone)
+                            if packed else (start, start))
+            del y
+    finally:
+        tracker.detach()
+    return int(held - start), int(free - start), int(pheld - start), int(pfree - start)

@@ -239,8 +239,11 @@ class _Found:
     grad_by: dict[int, set[int]]  # side tensor -> the consumers whose backward adds to its gradient
     release: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
+    release_rec: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    # ... in a recomputed segment, where its recomputed copy goes with the last node that read it
     together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     # (saving layer, side tensors it lets go at one moment: the same split)
+    together_rec: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     last_gain: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
     # (in every way it runs, and in its whole forward)
@@ -250,20 +253,27 @@ class _Found:
         for t, gain, full in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain):
             if gain or full:
                 self.last_gain[t] = (gain, full)
-        for t, saved, rel in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in)):
+        split_rec = []
+        for t, saved, rel, rec in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in),
+                                      m.side_in_release_rec or m.side_in_release or [None] * len(io.side_in)):
             if saved:
                 self.saved[t].add(j)
                 self.release[(t, j)] = rel
+                self.release_rec[(t, j)] = rec
                 split += [(t, tuple(rel))] if rel is not None else []
+                split_rec += [(t, tuple(rec))] if rec is not None else []
         for t, saved, rel in zip(io.side_out, m.side_out_saved, m.side_out_release or [None] * len(io.side_out)):
             if saved:
                 self.saved[t].add(j)
                 self.release[(t, j)] = rel
+                self.release_rec[(t, j)] = rel  # (a side output: counted whole, recomputed or not)
                 split += [(t, tuple(rel))] if rel is not None else []
-        for rel in {r for _, r in split}:
-            together = [t for t, r in split if r == rel]
-            if len(together) > 1:  # (several let go at one moment: side_tensors chains their splits)
-                self.together.append((j, together))
+                split_rec += [(t, tuple(rel))] if rel is not None else []
+        for pairs, out in ((split, self.together), (split_rec, self.together_rec)):
+            for rel in {r for _, r in pairs}:
+                together = [t for t, r in pairs if r == rel]
+                if len(together) > 1:  # (several let go at one moment: side_tensors chains their splits)
+                    out.append((j, together))
         for t, gbytes, is_out, shares in zip(io.side_in, m.side_in_grad, m.side_in_grad_is_out,
                                               m.side_in_grad_shares):
             if gbytes is not None:
@@ -303,10 +313,15 @@ class _Found:
             rel = [self.release.get((t, u)) for u in savers]
             pre, post = ((tuple(int(r[0]) for r in rel), tuple(int(r[1]) for r in rel))
                          if savers and all(r is not None for r in rel) else ((), ()))
+            rec = [self.release_rec.get((t, u)) for u in savers]
+            pre_r, post_r = ((tuple(int(r[0]) for r in rec), tuple(int(r[1]) for r in rec))
+                             if pre and all(r is not None for r in rec) else ((), ()))
+            if (pre_r, post_r) == (pre, post):
+                pre_r, post_r = (), ()
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else (),
-                                   *self.last_gain.get(t, (0, None))))
+                                   *self.last_gain.get(t, (0, None)), saved_pre_rec=pre_r, saved_post_rec=post_r))
         return side
 
 
@@ -320,15 +335,16 @@ class _Found:
         :meth:`_may_be_held`: one an earlier segment holds is in the bytes already, and counted again
         by every member after it (6,136 B over where a checkpoint's frame held the first of two
         operands of a product); last in the chain, it is skipped and the others are exact."""
-        for j, members in self.together:
-            pre, post = self.release[(members[0], j)]
-            before = 0
-            # the ones an earlier segment may hold (a reader before j, or the producer saves it) last:
-            # held, one is in the bytes already, and those after it in the chain would count it again
-            for t in sorted(members, key=lambda t, j=j: self._may_be_held(streams, t, j)):
-                self.release[(t, j)] = (pre + before, post)
-                before += storage_nbytes(values[streams.nodes[t]])
-        self.together = []
+        for together, release in ((self.together, self.release), (self.together_rec, self.release_rec)):
+            for j, members in together:
+                pre, post = release[(members[0], j)]
+                before = 0
+                # the ones an earlier segment may hold (a reader before j, or the producer saves it) last:
+                # held, one is in the bytes already, and those after it in the chain would count it again
+                for t in sorted(members, key=lambda t, j=j: self._may_be_held(streams, t, j)):
+                    release[(t, j)] = (pre + before, post)
+                    before += storage_nbytes(values[streams.nodes[t]])
+        self.together, self.together_rec = [], []
 
     def _may_be_held(self, streams: Streams, t: int, j: int) -> tuple:
         """How likely side tensor ``t`` is held by a segment before layer ``j``'s (its chain order)."""
