@@ -1216,3 +1216,21 @@ def test_regression_a_recomputed_side_copy_dies_before_the_bias_gradient_is_summ
     split = [t for t in tm.costs.side if t.saved_pre_rec]
     assert split and all(t.saved_pre_rec != t.saved_pre for t in split)
     _assert_exact_by_phase(model, x, tm, [(2, 3, 4, 5, 6), (2,), (2, 4), (1, 2), ()])
+
+
+# Issue-19 fuzz (replayed 2026-11-26, eighth session), seed 759761091, and 412033389 (2,040 B) and
+# 351775875: a checkpointed segment's last saving layer (tanh, a concatenation with the input, an
+# in-place product with a constant) runs the product's backward before it first reads a saved tensor,
+# which triggers the recomputation: that part runs without the recomputed tanh output. Its backward
+# was priced whole with the saved tensors: 128 B over here. Measured now in two parts, before and
+# from the first read (rgp with the recomputation; brt, bkrt), the first a backward event of its own.
+REGRESSION_THE_TRIGGER_RUNS_PART_OF_ITS_BACKWARD_FIRST = Spec(family='mlp', dtype='float32', batch=3, shape=(15,),
+    nodes=(Node(op='tanh', inputs=(0,), width=0, inplace=''), Node(op='cat', inputs=(0, 1), width=0, inplace='mul_')),
+    classes=3, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_the_trigger_runs_its_backward_up_to_its_first_read_without_the_recomputed_tensors():
+    model, x, tm = _traced(REGRESSION_THE_TRIGGER_RUNS_PART_OF_ITS_BACKWARD_FIRST, 759761091)
+    c = tm.costs
+    assert c.brt[0] < c.br[0] and c.rgp[0] > c.rg[0]
+    _assert_exact_by_phase(model, x, tm, [(1,), (1, 2), (2,), ()])

@@ -33,7 +33,8 @@ def costs_plan_stored(draw):
 def check_order(costs, plan, events, stored=()):
     """Events run forward 0..n-1, then per segment (last first) backward r..l, with the recompute
     events of a checkpointed segment before the backward of its last layer that saves a tensor
-    (the layers after it save nothing, so their backward runs first)."""
+    (the layers after it save nothing, so their backward runs first), and after that layer's
+    backward up to its first read of a saved tensor, which triggers them (one more event)."""
     n = costs.n
     starts = (0,) + plan
     ends = tuple(s - 1 for s in plan) + (n - 1,)
@@ -46,7 +47,9 @@ def check_order(costs, plan, events, stored=()):
             saving = [i for i in range(l, r + 1)
                       if costs.sin[i] or costs.sout[i] or costs.m[i] > 0 or costs.holds[i]]
             trailing = r - max(saving) if saving else r - l + 1
-            back = back[:trailing] + [("recompute", i) for i in range(l, r + 1) if i in rec] + back[trailing:]
+            first = [("backward", max(saving))] if saving else []
+            back = (back[:trailing] + first + [("recompute", i) for i in range(l, r + 1) if i in rec]
+                    + back[trailing:])
         expected += back
     assert [(e.phase, e.layer) for e in events] == expected
 
@@ -121,10 +124,11 @@ def test_hand_case_three_linear_layers():
         ("forward", 0, 100), ("forward", 1, 200), ("forward", 2, 300),
         ("backward", 2, 400), ("backward", 1, 300), ("backward", 0, 200),
     ]
-    # plan (2,): segment [0, 1] is checkpointed and re-runs layer 0 only (layer 1 saves only its input)
+    # plan (2,): segment [0, 1] is checkpointed and re-runs layer 0 only (layer 1 saves only its input);
+    # layer 1's backward up to its first read of a saved tensor runs before that
     got = [(e.phase, e.layer) for e in simulate_timeline(c, (2,))]
     assert got == [("forward", 0), ("forward", 1), ("forward", 2), ("backward", 2),
-                   ("recompute", 0), ("backward", 1), ("backward", 0)]
+                   ("backward", 1), ("recompute", 0), ("backward", 1), ("backward", 0)]
 
 
 def test_bad_plan_is_rejected():

@@ -159,7 +159,7 @@ class Calibration:
             layers["b"][i] += cal.backward_scratch
             layers["bk"][i] += cal.backward_scratch
             layers["bf"][i] += cal.backward_scratch
-            for name in ("br", "bkr"):  # (present where they differ from b, bk)
+            for name in ("br", "bkr", "brt", "bkrt"):  # (present where they differ from b, bk, br, bkr)
                 if name in layers:
                     layers[name][i] += cal.backward_scratch
         d["static"] = int(d["static"]) + self.workspace_bytes

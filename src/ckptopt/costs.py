@@ -46,6 +46,12 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
            it dies when the backward node that reads it returns, before the engine
            reduces that node's gradients to its inputs' shapes (a bias's sum), where
            autograd elsewhere keeps it until after. Default: ``b[i]``, ``bk[i]``
+``brt[i]``, ``bkrt[i]`` (optional) ``br[i]``, ``bkr[i]`` from the backward's first read of a saved
+           tensor on: where layer ``i`` is a checkpointed segment's last saving layer, that read
+           triggers the recomputation, and the part before runs without the recomputed tensors.
+           Default: ``br[i]``, ``bkr[i]``
+``rgp[i]`` (optional) ``rg[i]`` at the peak of that first part (at least ``rg[i]``), taken
+           with the recomputation. Default: ``rg[i]``
 ``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
            backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
            larger tensor (a concatenation's backward hands out slices of its output
@@ -121,6 +127,7 @@ __all__ = ["ChainCosts", "KernelArrays", "SideTensor", "SideArrays"]
 _FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
 _ADDITIVE_FIELDS = ("w", "h", "q")
 _FLAG_FIELDS = ("sin", "sout", "dead", "holds")
+_DEFAULTS_TO = {"brt": "br", "bkrt": "bkr", "rgp": "rg"}  # optional fields left out of a file where they equal these
 # Sums of byte counts must stay far from int64 overflow in the solvers' sums.
 _MAX_TOTAL = 2**60
 _FORMAT = "ckptopt.ChainCosts"
@@ -247,6 +254,9 @@ class KernelArrays(NamedTuple):
               the previous segment does not keep)
     ``qbr``   ``qb`` with ``br`` for ``b`` (a layer of a checkpointed segment: recomputed saves)
     ``qbkr``  ``qbk`` with ``bkr`` for ``bk``
+    ``qbt``, ``qbkt`` ``qbr``, ``qbkr`` with ``brt``, ``bkrt``: the backward term of a checkpointed
+              segment's last saving layer, from its first read of a saved tensor on
+    ``rbp``   ``rb`` with ``rgp``: the part of that layer's backward before that read
     ``ff``    ``f`` with the input dying at its last use (an unwrapped segment's first layer whose
               input nothing else holds); ``qf`` and ``qs`` take ``ff``/``ffs`` where
               nothing holds the layer's input
@@ -281,6 +291,9 @@ class KernelArrays(NamedTuple):
     qbkr: np.ndarray
     ff: np.ndarray
     fc: np.ndarray
+    qbt: np.ndarray
+    qbkt: np.ndarray
+    rbp: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -347,6 +360,9 @@ class ChainCosts:
         fpost: Sequence[int] | None = None,
         br: Sequence[int] | None = None,
         bkr: Sequence[int] | None = None,
+        brt: Sequence[int] | None = None,
+        bkrt: Sequence[int] | None = None,
+        rgp: Sequence[int] | None = None,
         ff: Sequence[int] | None = None,
         ffs: Sequence[int] | None = None,
         fc: Sequence[int] | None = None,
@@ -373,8 +389,9 @@ class ChainCosts:
             values["ffc"] = ffc
         if br is not None:
             values["br"] = br
-        if bkr is not None:
-            values["bkr"] = bkr
+        for name, given in (("bkr", bkr), ("brt", brt), ("bkrt", bkrt), ("rgp", rgp)):
+            if given is not None:
+                values[name] = given
         if g is not None:
             values["g"] = g
         if holds is not None:
@@ -410,8 +427,9 @@ class ChainCosts:
         for given, name in ((bk, "bk"), (bf, "bf"), (br, "br")):
             if given is None:
                 self._fields[name] = self._fields["b"]
-        if bkr is None:
-            self._fields["bkr"] = self._fields["bk"]
+        for given, name, default in ((bkr, "bkr", "bk"), (brt, "brt", "br"), (bkrt, "bkrt", "bkr"), (rgp, "rgp", "rg")):
+            if given is None:
+                self._fields[name] = self._fields[default]
         if g is None:
             self._fields["g"] = self._fields["a"]
         for flag, given in (("dead", dead), ("holds", holds)):
@@ -552,7 +570,7 @@ class ChainCosts:
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "ff", "ffs", "fc", "ffc", "g", "holds", "groot", "gh",
+        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "brt", "bkrt", "rgp", "ff", "ffs", "fc", "ffc", "g", "holds", "groot", "gh",
                                                      "fpre", "fpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
@@ -566,6 +584,7 @@ class ChainCosts:
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
                        side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
                        fpre=layers.get("fpre"), fpost=layers.get("fpost"), br=layers.get("br"), bkr=layers.get("bkr"),
+                       brt=layers.get("brt"), bkrt=layers.get("bkrt"), rgp=layers.get("rgp"),
                        ff=layers.get("ff"), ffs=layers.get("ffs"), fc=layers.get("fc"), ffc=layers.get("ffc"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
                             cb=data.get("backward_compute"), unit=unit)
@@ -605,6 +624,7 @@ class ChainCosts:
                 and not (k == "gh" and not v.any())
                 and not (k == "br" and np.array_equal(v, self._fields["b"]))
                 and not (k == "bkr" and np.array_equal(v, self._fields["bk"]))
+                and not (k in _DEFAULTS_TO and np.array_equal(v, self._fields[_DEFAULTS_TO[k]]))
                 and not (k == "ff" and np.array_equal(v, self._fields["f"]))
                 and not (k == "ffs" and np.array_equal(v, self._fields["fs"]))
                 and not (k == "fc" and np.array_equal(v, self._fields["f"]))
@@ -715,7 +735,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z, q, q, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -747,6 +767,7 @@ class ChainCosts:
         rg = self._fields["rg"] + g - a  # (measured with an a-byte output gradient)
         j = np.maximum.accumulate(np.where(saves, np.arange(n), -1))  # last saving layer <= r
         rb = np.where(j >= 0, G[j] + rg[j], G + g)
+        rbp = np.where(j >= 0, G[j] + (self._fields["rgp"] + g - a)[j], G + g)
         ext = saves | (self._fields["dead"] > 0)
         qbk = qb - b + self._fields["bk"]
         sout_prev = np.concatenate([[0], sout[:-1]])
@@ -754,7 +775,8 @@ class ChainCosts:
         qbr = qb - b + self._fields["br"]
         qbkr = qb - b + self._fields["bkr"]
         return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
-                               qbf, qbr, qbkr, ff, self._fields["fc"])
+                               qbf, qbr, qbkr, ff, self._fields["fc"], qb - b + self._fields["brt"],
+                               qb - b + self._fields["bkrt"], rbp)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

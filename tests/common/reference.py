@@ -48,6 +48,8 @@ def _full(c, checkpoints, stored):
     bf = [int(x) for x in c.bf]  # b with nothing but the layer holding its input
     br = [int(x) for x in c.br]  # b and bk in a checkpointed segment (recomputed saved tensors die
     bkr = [int(x) for x in c.bkr]  # when the node reading them returns)
+    brt = [int(x) for x in c.brt]  # ... and in the segment's last saving layer, from its first read on
+    bkrt = [int(x) for x in c.bkrt]
     g = [int(x) for x in c.g]  # the storage a layer's output gradient lives in (a view of a larger one)
     m = [int(x) for x in c.m]
     fs = [int(x) for x in c.fs]
@@ -74,6 +76,7 @@ def _full(c, checkpoints, stored):
         # gradients held when layer t's backward first reads a saved tensor (rg is measured with
         # an a-byte output gradient)
         size[f"r{t}"] = rg[t] + g[t] - a[t]
+        size[f"rp{t}"] = int(c.rgp[t]) + g[t] - a[t]  # ... the most before that read (the first part)
     size["x-1"] = 0  # the model input lives in the static bytes
     groot = [int(x) for x in c.groot]  # the storage layer t's output gradient lives in
     for i in range(n):
@@ -301,6 +304,9 @@ def _full(c, checkpoints, stored):
             # the last layer the recomputation runs (a last input pack is not run)
             stop_layer = -1 if stop is None else (stop[0] if stop[1] == 1 else stop[0] - 1)
             rec_side = side_saved_after_recompute(k, top, stop_layer) if stop is not None else []
+            if top >= l:  # the trigger's backward up to its first read: no recomputed tensor exists yet
+                peak = max(peak, total((held - {f"g{top}"}) | grads | {f"rp{top}"}
+                                       | side_recompute(k, top, stop_layer, l)))
             seg_saved = set()
             for i in range(l, r + 1):
                 if stop is None or (i, 0) == stop or i > stop[0]:
@@ -323,7 +329,10 @@ def _full(c, checkpoints, stored):
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
             gone, add = side_released(i, rec_side if not unwrapped[k] else ())
-            peak = max(peak, total(live - gone) + add + (b_first if i == l else bseg[i]))
+            bi = b_first if i == l else bseg[i]
+            if not unwrapped[k] and i == top:  # (from its first read on)
+                bi = brt[i] if i > l or l == 0 or prev_keeps else bkrt[l]
+            peak = max(peak, total(live - gone) + add + bi)
             # after layer i's backward: its saved set is released unless an earlier layer
             # of the segment also saved the same storage; its parameter gradient stays.
             still = set().union(*(saved(j) for j in range(l, i))) if i > l else set()

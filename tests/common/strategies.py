@@ -32,9 +32,12 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     bkr = draw(st.one_of(st.none(), ints))
     ff = draw(st.one_of(st.none(), ints))
     ffs = draw(st.one_of(st.none(), ints))
+    # the trigger's backward from its first read of a saved tensor on, and the most before that read
+    brt, bkrt, rgp = (draw(st.one_of(st.none(), ints)) for _ in range(3))
     return ChainCosts(
         a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b, static=static, fs=fs,
         c=c, rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds, br=br, bkr=bkr, ff=ff, ffs=ffs,
+        brt=brt, bkrt=bkrt, rgp=rgp,
     )
 
 

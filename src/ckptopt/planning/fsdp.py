@@ -158,9 +158,11 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
     for k in ("ff", "ffs", "fc", "ffc"):  # (the same with the input dying at its last use, in a checkpoint)
         if L.get(k) is not None:
             L[k] = [int(x) for x in np.maximum(np.asarray(L[k], dtype=np.int64), moment) + rec]
-    for k in ("b", "bk", "bf", "br", "bkr"):
+    for k in ("b", "bk", "bf", "br", "bkr", "brt", "bkrt"):
         if k in L:
             L[k] = [int(x) + int(y) for x, y in zip(L[k], bwd)]
+    # (the trigger's backward before its first read runs with its unit gathered too)
+    L["rgp"] = [int(x) + int(y) for x, y in zip(L.get("rgp", L["rg"]), bwd)]
     for k in ("fpre", "fpost"):
         if L.get(k) is not None:
             L[k] = [int(x) + int(y) for x, y in zip(L[k], bwd)]
@@ -256,11 +258,16 @@ def fsdp_peak(base: ChainCosts, grads: list[int], shape: FsdpShape, checkpoints,
     if shape.model_end == n - 1:
         triggers.append(-1)
     triggers += [v for v in range(U) if shape.spans[v][1] == n - 1]
-    for e in events:
-        if e.phase == "forward":
-            continue
+    events = [e for e in events if e.phase != "forward"]
+    for k, e in enumerate(events):
         i, u = e.layer, owner[e.layer]
         level = e.bytes - (b[i] if e.phase == "backward" else f[i])
+        nxt = events[k + 1] if k + 1 < len(events) else None
+        # a checkpointed segment's last saving layer, its backward up to its first read of a saved
+        # tensor (the recomputation, or the rest of its backward, follows): the level the next event has
+        first = nxt is not None and e.phase == "backward" and (nxt.phase == "recompute" or nxt.layer == i)
+        if first:
+            level = nxt.bytes - (b[i] if nxt.phase == "backward" else f[nxt.layer])
         for v in triggers:  # the gradient reached v's output: gather v (if not yet), prefetch the one before
             w = U - 1 if v < 0 else v
             if v >= 0 and v not in gathered:
@@ -280,6 +287,8 @@ def fsdp_peak(base: ChainCosts, grads: list[int], shape: FsdpShape, checkpoints,
             see(e.bytes + extra(), "recompute", i)
             continue
         see(e.bytes + extra(), "backward", i)
+        if first:
+            continue
         st["full"] += grads[i]
         if u >= 0 and i == shape.spans[u][0]:  # post-backward: reshard, reduce-scatter
             gathered.discard(u)

@@ -20,7 +20,10 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
   pass keeps none of the saved tensors);
 * recompute at i:                 ``rb[r] + (f[l] | H(l, i) + qf[i])`` for ``i``
   up to the last layer the recomputation runs (:func:`recompute_span`), which
-  counts its transient only up to its last saved tensor (``fs``/``qs``);
+  counts its transient only up to its last saved tensor (``fs``/``qs``). The segment's
+  last saving layer (the trigger) runs its backward up to its first read of a saved
+  tensor before that, without the recomputed tensors: ``rbp[r]`` (with layer ``l``'s
+  recomputation addends); its backward term is ``qbt``/``qbkt``, from that read on;
 * forward at i of an unwrapped segment (the last, or a stored one):
   ``f[l] | H(l, i) + qf[i]`` (it keeps what it saves instead of recomputing).
 
@@ -201,6 +204,10 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                     v += radd[i]
                 if v > best:
                     best, phase, layer = v, 1, i
+            if trigger >= l:  # the trigger's backward before its first read: no recomputed tensor yet
+                v = K.rbp[r] + (radd[l] if add else 0)
+                if v > best:
+                    best, phase, layer = v, 2, trigger
     # A checkpoint's frame, which holds the segment's input, goes once the segment's last saved
     # tensor is released: the layers before its first saving layer run their backward without it.
     freed_before = l
@@ -212,6 +219,8 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
         if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
             q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
+        if full and not unwrapped and i == trigger:  # (from its first read on: the part before is rbp)
+            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
@@ -252,6 +261,8 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
             else:
                 v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
             out[w + i - l] = v + radd[i]
+        if trigger >= l and K.rbp[r] + radd[l] > out[w]:  # (the trigger's first part: with layer l's
+            out[w] = K.rbp[r] + radd[l]                    # recomputation term, the same side addends)
     freed_before = l
     if not unwrapped and l > 0 and not prev_keeps:
         freed_before = first_saving(l, r, K)
@@ -261,6 +272,8 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         q = K.qb[i] if unwrapped else K.qbr[i]
         if i == l and l > 0 and not prev_keeps:
             q = K.qbf[i] if unwrapped else K.qbkr[i]
+        if not unwrapped and i == trigger:
+            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
@@ -332,7 +345,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one, one, one, one, one)
+                        one, one, one, one, one, one, one, one, one, one)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

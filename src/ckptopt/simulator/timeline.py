@@ -92,7 +92,9 @@ def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
     freed_before = int(kernels.first_saving(l, r, K)) if drop else l
     out = []
     for i in range(r, l - 1, -1):
-        if recomputed:
+        if recomputed and i == after:  # the last saving layer, from its first read of a saved tensor on
+            q = int(K.qbkt[i] if held_input and i == l else K.qbt[i])
+        elif recomputed:
             q = int(K.qbkr[i] if held_input and i == l else K.qbr[i])
         else:
             q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
@@ -121,7 +123,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         events (for the layers :func:`ckptopt.simulator.recomputed_layers` names)
         before the backward of its last layer that saves a tensor (the
         backward of the layers after it reads nothing saved, so it runs
-        first). Unwrapped segments have no recompute events. The additive form
+        first), and after one more backward event of that layer: its backward
+        up to its first read of a saved tensor, which triggers them. Unwrapped segments have no recompute events. The additive form
         gives the ``n`` backward events only.
 
     Raises
@@ -191,11 +194,15 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
             frame = l > 0 and not kept_in[k]
             trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k], recomputed=True)
-            events = trail[:r - trigger] + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
+            # the last saving layer's backward up to its first read of a saved tensor (with layer l's
+            # recomputation addends), the recomputation that read triggers, then the rest of it
+            first = [("backward", trigger, int(K.rbp[r]), (1, l))] if trigger >= l else []
+            events = trail[:r - trigger] + first + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
             events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])
-        backward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 1 if ph == "recompute" else 2, i))
-                     for ph, i, v in events]
+        backward += [TimelineEvent(e[0], e[1], k, base + e[2] + _add(adds[k], *(e[3] if len(e) > 3 else
+                                                                              (1 if e[0] == "recompute" else 2, e[1]))))
+                     for e in events]
     return forward + backward
 
 

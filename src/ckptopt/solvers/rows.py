@@ -70,6 +70,11 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
         v0 = K.qbf[l] if r == l and first else v
         vr = K.P[r] - Pl + K.qbr[r]
         vc = K.qbkr[l] if r == l and first else vr
+        # as the segment's last saving layer (the trigger): from its first read of a saved tensor on
+        vrt = K.P[r] - Pl + K.qbt[r]
+        vct = K.qbkt[l] if r == l and first else vrt
+        bwd1r_before = bwd1r
+        post_before = post_c
         if v > bwd1:
             bwd1 = v
         if vr > bwd1r:
@@ -83,8 +88,13 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
             pre_c = vc
         if K.saves[r] != 0:
             seg_saves = True
-            bwd_j0 = post_c if post_c > pre_c - drop else pre_c - drop
-            bwd_j1 = bwd1r
+            if full:  # (the earlier layers' terms, and the trigger's own)
+                d = post_before if post_before > vct else vct
+                bwd_j0 = d if d > pre_c - drop else pre_c - drop
+                bwd_j1 = bwd1r_before if bwd1r_before > vrt else vrt
+            else:
+                bwd_j0 = post_c if post_c > pre_c - drop else pre_c - drop
+                bwd_j1 = bwd1r
             tail0 = NEG
             tail1 = NEG
         else:
@@ -121,6 +131,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
             rest = fwdw
             if has_e and K.rb[r] + e_pm > rest:
                 rest = K.rb[r] + e_pm
+            if seg_saves and K.rbp[r] > rest:  # (the trigger's backward before its first read)
+                rest = K.rbp[r]
             d = bwd_j0 if bwd_j0 > tail0 else tail0
             Dc0[r] = d if d > rest else rest
             if first and not seg_saves and K.ck[l] + fwdw > Dc0[r]:

@@ -63,6 +63,10 @@ def saved_floor(l, r, K):
         q = K.qbr[r]
     if K.qbkr[r] < q:
         q = K.qbkr[r]
+    if K.qbt[r] < q:  # (as the trigger: from its first read of a saved tensor on)
+        q = K.qbt[r]
+    if K.qbkt[r] < q:
+        q = K.qbkt[r]
     return K.P[r] - K.P[l] + q - K.ck[l]
 
 

@@ -309,16 +309,23 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
             ff[0] = max(ff[0], f0[0])
             fc[0] = max(fc[0], f0[0])
             ffc[0] = max(ffc[0], f0[0])
+        rg = _rg(layers, side, grad_root)
+        br = [l.costs.b if l.costs.br is None else l.costs.br for l in layers]
+        bkr = [(l.costs.b if l.costs.bk is None else l.costs.bk) if l.costs.bkr is None else l.costs.bkr
+               for l in layers]
         costs = ChainCosts(
             a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
             sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff, fc=fc, ffc=ffc,
             ffs=[l.costs.fs if l.costs.ffs is None else l.costs.ffs for l in layers],
-            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=_rg(layers, side, grad_root),
+            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=rg,
             bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
             bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
-            br=[l.costs.b if l.costs.br is None else l.costs.br for l in layers],
-            bkr=[(l.costs.b if l.costs.bk is None else l.costs.bk) if l.costs.bkr is None else l.costs.bkr
-                 for l in layers],
+            br=br, bkr=bkr,
+            # a checkpointed segment's last saving layer: its backward before and from its first read of
+            # a saved tensor (the recomputation runs between)
+            brt=[x if l.costs.brt is None else l.costs.brt for x, l in zip(br, layers)],
+            bkrt=[x if l.costs.bkrt is None else l.costs.bkrt for x, l in zip(bkr, layers)],
+            rgp=[x + l.costs.rgx for x, l in zip(rg, layers)],
             g=grad_store,
             dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
             static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,

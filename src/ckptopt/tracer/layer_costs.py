@@ -56,6 +56,9 @@ class LayerMeasurement:
     ffc: int | None = None  # fc with the input dying at its last use inside the layer
     br: int | None = None  # b in a recomputed segment: saved tensors die when the node reading them returns
     bkr: int | None = None  # bk likewise
+    brt: int | None = None  # br, bkr from the backward's first read of a saved tensor on (the part a
+    bkrt: int | None = None  # checkpointed segment's last saving layer runs after the recomputation)
+    rgx: int = 0  # what the backward's part before that read peaks at above the bytes at the read
     gin: int | None = None  # bytes of the storage the input gradient lives in (None: none computed)
     gin_is_out: bool = False  # that storage is the output gradient's (the layer passes views of it)
     gin_layout: tuple | None = None  # (stride, offset) of the input gradient when it is a slice of that storage
@@ -409,6 +412,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # went its whole storage, which in the model outlives it where that storage is larger (a
                 # slice of a concatenation's gradient whose other slices are still to be used)
                 first_unpack.append("at" in out_freed)
+                first_unpack.append(len(tracker.timeline))  # (the backward's entries before it: its first part)
             t = box.t
             if t is None:  # (read twice: a custom Function's ctx.saved_tensors)
                 t = box.w()
@@ -595,9 +599,15 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 # in a recomputed segment: b (the input held, or by nothing else: gone once the node
                 # that read it last returns) and bk (held by the checkpoint's frame)
                 all_gone = _all_released_at(released, alive, k0, end_index)
-                rec_peaks = (_peak_with_input(rec_timeline, k0, backward_start, input_bytes,
-                                              end_index if keep_input else x_gone),
-                             _peak_with_input(rec_timeline, k0, backward_start, input_bytes, max(x_gone, all_gone)))
+                rec_gones = (end_index if keep_input else x_gone, max(x_gone, all_gone))
+                rec_peaks = [_peak_with_input(rec_timeline, k0, backward_start, input_bytes, gone) for gone in rec_gones]
+                # ... and from its first read of a saved tensor on: the segment's last saving layer triggers
+                # the recomputation there, and runs the part before without the recomputed tensors (brt,
+                # bkrt; that part's excess over the bytes at the read, rgx, goes with the recomputation)
+                at = first_unpack[2] if first_unpack else k0
+                rec_post = [_peak_with_input(rec_timeline, k0, backward_start, input_bytes, gone, lo=at - 1)
+                            for gone in rec_gones]
+                rgx = max([0] + [e[2] - first_unpack[0] for e in rec_timeline[k0:at]]) if first_unpack else 0
                 # (pre, post): the backward's peak before and from a moment on (relative as b is):
                 # when the layer's last saved tensor is released (a checkpoint's frame goes, and
                 # the side tensors it holds with it), and when each saved side tensor's last saved
@@ -675,6 +685,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         bk=int(peaks[2] - out_grads - pending),
         br=int(rec_peaks[0] - out_grads - pending),
         bkr=int(rec_peaks[1] - out_grads - pending),
+        brt=int(rec_post[0] - out_grads - pending),
+        bkrt=int(rec_post[1] - out_grads - pending),
+        rgx=int(rgx),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
         gin_layout=record.get("in_layout"),

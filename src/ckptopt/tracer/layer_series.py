@@ -129,12 +129,14 @@ def _all_released_at(released: list[tuple[int, bool]], alive: int, k0: int, end:
     return end
 
 
-def _peak_with_input(timeline: list, k0: int, start: int, input_bytes: int, gone: int) -> int:
+def _peak_with_input(timeline: list, k0: int, start: int, input_bytes: int, gone: int, lo: int | None = None) -> int:
     """The backward's peak above ``start`` (as :func:`_backward_peaks` counts it) with the input, held
-    in ``timeline``, gone from index ``gone``."""
+    in ``timeline``, gone from index ``gone``; ``lo``: over the entries from ``lo`` on only (the moment
+    before the first operator counts when ``lo <= k0``)."""
     base = start - (input_bytes if gone <= k0 else 0)
-    best = base
-    for k in range(k0, len(timeline)):
+    lo = k0 if lo is None else lo
+    best = base if lo <= k0 else -(1 << 62)
+    for k in range(max(k0, lo), len(timeline)):
         best = max(best, timeline[k][2] - (input_bytes if k >= gone else 0))
     return best - base
 
