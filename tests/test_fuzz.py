@@ -1234,3 +1234,44 @@ def test_regression_the_trigger_runs_its_backward_up_to_its_first_read_without_t
     c = tm.costs
     assert c.brt[0] < c.br[0] and c.rgp[0] > c.rg[0]
     _assert_exact_by_phase(model, x, tm, [(1,), (1, 2), (2,), ()])
+
+
+# Issue-19 fuzz (replayed 2026-11-26, eighth session), seed 694803594, and 942711679 (1,016 B) and one plan of
+# 507100533: a layer reads two side tensors last and saves neither (a LayerNorm output and a concatenation,
+# both concatenated early in it). Each was measured dying alone and only the larger gain kept: 432 B over on
+# every plan, the empty one too, where both die there. Every set of them is measured now and each gets the
+# least gain that keeps every set covered (tracer/layer_series.py::_dying_gains): both here.
+REGRESSION_TWO_SIDE_INPUTS_DIE_TOGETHER = Spec(family='mlp', dtype='float32', batch=4, shape=(27,), nodes=(
+    Node(op='ln', inputs=(0,), width=0, inplace=''), Node(op='cat', inputs=(0, 1), width=0, inplace=''),
+    Node(op='cat', inputs=(1, 2), width=0, inplace=''), Node(op='gelu', inputs=(3,), width=0, inplace=''),
+    Node(op='sigmoid', inputs=(4,), width=0, inplace=''), Node(op='cat', inputs=(3, 1), width=0, inplace='relu_'),
+    Node(op='cat', inputs=(4, 6), width=0, inplace=''), Node(op='linear', inputs=(7,), width=17, inplace='relu_'),
+    Node(op='cat', inputs=(2, 4), width=0, inplace='')), classes=3, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_side_inputs_dying_together_are_each_counted():
+    model, x, tm = _traced(REGRESSION_TWO_SIDE_INPUTS_DIE_TOGETHER, 694803594)
+    assert sum(1 for t in tm.costs.side if t.last_gain < 0) == 2
+    _assert_exact_by_phase(model, x, tm, [(), (3,), (2, 3), (5,), (3, 6)])
+
+
+def test_gains_of_side_inputs_dying_together_cover_every_set():
+    """_dying_gains on made-up measurements: every set's sum at least its change (never under), exact for
+    the whole set where the parts add up, and the old rule (the largest alone) past the cap."""
+    import itertools
+
+    from ckptopt.tracer.layer_series import _dying_gains
+
+    for table in ({(0,): -4, (1,): -4, (0, 1): -8},  # additive: both exact
+                  {(0,): 0, (1,): -6, (0, 1): -9},  # one alone saves nothing, together more
+                  {(0,): -5, (1,): -5, (0, 1): -5},  # either one suffices
+                  {(0,): -2, (1,): -3, (2,): -1, (0, 1): -5, (0, 2): -2, (1, 2): -4, (0, 1, 2): -7}):
+        dying = sorted({k for s in table for k in s})
+        g = _dying_gains(dying, lambda s: table[tuple(sorted(s))], 4)
+        assert all(x <= 0 for x in g)
+        for size in range(1, len(dying) + 1):
+            for s in itertools.combinations(dying, size):
+                assert sum(g[k] for k in s) >= table[s], (table, g, s)
+    assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -4, (0, 1): -8}[s], 2) == [-4, -4]
+    assert sum(_dying_gains([0, 1], lambda s: {(0,): -5, (1,): -5, (0, 1): -5}[s], 2)) == -5  # (the whole set)
+    assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -6}[s], 2, cap=1) == [0, -6]

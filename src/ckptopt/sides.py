@@ -71,11 +71,11 @@ class SideTensor:
         At most 0: what its last consumer's forward peak changes by when nothing else holds it there
         (no save, no checkpoint call, no earlier segment): it dies at its last use inside that layer,
         which runs on after it (a concatenation that does not save it, then a BatchNorm). 0: unknown,
-        or no change. It holds for every way the layer runs (a recomputation may stop at its last
-        saved tensor, before the tensor's last use): the smallest change of them.
+        or no change. This one for a recomputation that stops at the layer's last saved tensor
+        (perhaps before the tensor's last use), with the layer's input held or not: the smallest change.
     last_gain_full : int or None
-        The same for the layer's whole forward (an unwrapped segment's, where it runs to its end),
-        at most 0; None: ``last_gain``.
+        The same for the layer's whole forward (an unwrapped segment's, or a recomputation that runs
+        past the layer), at most 0; None: ``last_gain``.
     saved_pre_rec, saved_post_rec : tuple of int
         ``saved_pre``/``saved_post`` where the saving layer is recomputed with the tensor's producer:
         the recomputed copy is handed out once and dies when the backward node that read it returns,

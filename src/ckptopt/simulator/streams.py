@@ -129,6 +129,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
     seg_saves = fsv <= r
     trigger = r
     e = l - 1
+    partial = False
     if not unwrapped and seg_saves:
         trigger, e, partial = recompute_span(l, r, K)
         for i in range(l, (e if e > l else l) + 1):  # (layer l's also for the trigger's first part)
@@ -200,7 +201,9 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                     for i in range(p + 1, rend + 1):
                         radd[i] += sa
                     if rend == smax and rho < 0:  # (held by nothing: it dies inside its last reader;
-                        radd[smax] += SD.sdie[j]       # a layer that saves it holds it to its backward)
+                        # a layer that saves it holds it to its backward; one the recomputation runs
+                        # whole, not only to its last saved tensor, changes as its whole forward does)
+                        radd[smax] += SD.sdief[j] if smax < e or not partial else SD.sdie[j]
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa

@@ -20,10 +20,9 @@ from torch import nn
 from ..torch_utils import check_module, clone_layout, is_fake, no_lasting_state, resolve_device, tensor_leaves
 from ..tracker import StorageTracker, real_storage, storage_bytes, storage_key
 from .layer_grads import InjectGrad, _autocast_weight_casts, _Packed, _Pending, _SharedGrad
-from .layer_series import (_all_released_at, _backward_peaks, _call_layer, _forward_pass, _forward_peaks,
-                           _fresh_inputs, _gone_at, _held_timelines, _key,
-                           _without_copies,
-                           _list_input_copy, _peak_with_input, _relative_series, _shares, _split, reachable)
+from .layer_series import (_all_released_at, _backward_peaks, _call_layer, _dying_gains, _forward_pass,
+                           _forward_peaks, _fresh_inputs, _gone_at, _held_timelines, _key, _list_input_copy,
+                           _peak_with_input, _relative_series, _shares, _split, _without_copies, reachable)
 
 __all__ = ["LayerMeasurement", "measure_layer", "forward_flops"]
 
@@ -647,17 +646,21 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         fc, ffc = _forward_pass(*run, keep_saves=False)[:2] if packs else (None, None)
         # a side input this layer reads last and does not save dies at its last use inside it where nothing
         # else holds it (the plan decides): the forward peak's largest change (input held or not; in all, a
-        # recomputation to the last pack too). With several, each dies alone; the largest gain goes to its own
-        last_gain, last_full = [0] * len(side_inputs), [0] * len(side_inputs)
+        # recomputation to the last pack apart). With several, per set of them dying (_dying_gains)
         dying = [k for k, last in enumerate(side_last) if last and side_ptrs[k] not in saved]
         ref = [forward_peak - start, forward_peak0 - start] + ([p - start for p in last_pack] if packs else [])
-        for k in dying if freeing is not None else ():
-            held, free, pheld, pfree = _forward_pass(*run, keep_saves=True, drop_side=k)
-            change = [v - w for v, w in zip([held, free] + ([pheld, pfree] if packs else []), ref)]
-            for gains, gain in ((last_gain, min(0, max(change))), (last_full, min(0, max(change[:2])))):
-                if gain < min(gains):
-                    gains[:] = [0] * len(side_inputs)
-                    gains[k] = gain
+        changes: dict[tuple, list[int]] = {}
+
+        def change(drop: tuple) -> list[int]:
+            if drop not in changes:
+                held, free, pheld, pfree = _forward_pass(*run, keep_saves=True, drop_side=drop)
+                changes[drop] = [v - w for v, w in zip([held, free] + ([pheld, pfree] if packs else []), ref)]
+            return changes[drop]
+
+        dying = dying if freeing is not None else []
+        # (in a recomputation that stops at the layer's last saved tensor; in its whole forward)
+        last_gain = _dying_gains(dying, lambda d: min(0, max(change(d)[2:] or change(d)[:2])), len(side_inputs))
+        last_full = _dying_gains(dying, lambda d: min(0, max(change(d)[:2])), len(side_inputs))
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0

@@ -248,14 +248,14 @@ def _call_layer(module: nn.Module, freeing: nn.Module | None, inputs: list) -> A
 def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: torch.Tensor | None,
                   input_requires_grad: bool, leaf_input: bool, side_inputs: list, static_inputs: list,
                   casts: list, fake: bool, dev: Any, keep_saves: bool,
-                  drop_side: int | None = None) -> tuple[int, int, int, int]:
+                  drop_side: tuple[int, ...] = ()) -> tuple[int, int, int, int]:
     """``(with the input held, as it went)``: the layer's forward transient, relative as ``f``, in one more
     forward on fresh inputs; then the same up to the forward's last pack (as ``fs``, ``ffs``; 0 if none).
 
     ``keep_saves`` False: under a pack hook that keeps nothing, as a checkpoint's first pass runs
     (``fc``, ``ffc``): non-reentrant checkpoint keeps none of the tensors the forward saves, so each
     dies at its last use, where autograd elsewhere keeps it to the backward (a normalization's
-    input, a dead branch's). ``drop_side``: side input ``k`` held by nothing but the call, so that it
+    input, a dead branch's). ``drop_side``: side inputs held by nothing but the call, so that each
     dies at its last use inside the layer, as it does in the model where this layer reads it last
     and nothing holds it (no save, no checkpoint). The other side inputs are held throughout, as
     the call holds them (docs/design.md §3-4). ``freeing``: the measurement's
@@ -284,8 +284,8 @@ def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: t
                 inputs = ([x] if x is not None else []) + [*sides, *static_inputs]
                 if freeing is not None:
                     x = None
-                    if drop_side is not None:
-                        sides[drop_side] = None
+                    for k in drop_side:
+                        sides[k] = None
                 y = _call_layer(module, freeing, inputs)
                 del inputs
             end = len(tracker.timeline)
@@ -298,3 +298,34 @@ def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: t
     finally:
         tracker.detach()
     return int(held - start), int(free - start), int(pheld - start), int(pfree - start)
+
+
+def _dying_gains(dying: list[int], run_gain, n: int, cap: int = 3) -> list[int]:
+    """Per side input, what its dying at its last use inside the layer adds to the forward peak (at most
+    0), such that for every set of them that dies the sum is at least the measured change: the peaks'
+    changes are not additive (two dying where one alone changes nothing). ``run_gain(S)``: the change
+    with the side inputs ``S`` dying together. Up to ``cap`` dying: every set is measured and each
+    input, most gain first, gets the least that keeps every set with it and earlier ones covered
+    (``g_j = max over S' of gain(S' + j) - sum(g_i, i in S')``: exact for the whole set when it saves at
+    most the sum of the parts). More: each dies alone and only the largest gain counts."""
+    out = [0] * n
+    single = {k: run_gain((k,)) for k in dying}
+    if len(dying) > cap or len(dying) < 2:
+        if single:
+            k = min(single, key=lambda j: (single[j], j))
+            out[k] = single[k]
+        return out
+    import itertools
+
+    order = sorted(dying, key=lambda j: (single[j], j))
+    sets = {(k,): single[k] for k in dying}
+    for size in range(2, len(order) + 1):
+        for combo in itertools.combinations(order, size):
+            sets[tuple(sorted(combo))] = run_gain(tuple(sorted(combo)))
+    for pos, j in enumerate(order):
+        best = single[j]
+        for size in range(1, pos + 1):
+            for prev in itertools.combinations(order[:pos], size):
+                best = max(best, sets[tuple(sorted(prev + (j,)))] - sum(out[i] for i in prev))
+        out[j] = min(0, best)
+    return out
