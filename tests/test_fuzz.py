@@ -1275,3 +1275,14 @@ def test_gains_of_side_inputs_dying_together_cover_every_set():
     assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -4, (0, 1): -8}[s], 2) == [-4, -4]
     assert sum(_dying_gains([0, 1], lambda s: {(0,): -5, (1,): -5, (0, 1): -5}[s], 2)) == -5  # (the whole set)
     assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -6}[s], 2, cap=1) == [0, -6]
+
+
+# The same model (780222873; 1,816 B over on three plans, the largest left after the sixth session), and one plan
+# of 507100533 (786 B): a side tensor made inside a checkpointed segment and read last there dies at its last use in
+# the checkpoint's first pass, which keeps none of the saved tensors, and that pass was priced with it held to the
+# layer's end. Its gain in a first pass is measured now too, under a pack hook that keeps nothing
+# (SideTensor.last_gain_ckpt), and taken where its producer's checkpointed segment reads it last.
+def test_regression_a_side_tensor_dies_inside_its_last_reader_in_a_checkpoints_first_pass():
+    model, x, tm = _traced(REGRESSION_A_DYING_SIDE_INPUTS_GAIN_IN_THE_WHOLE_FORWARD, 780222873)
+    assert any(t.last_gain_ckpt < 0 for t in tm.costs.side)
+    _assert_exact_by_phase(model, x, tm, [(1, 5, 6), (1, 2, 5, 6, 7), (1, 5, 6, 7)])

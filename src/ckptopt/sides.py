@@ -81,6 +81,10 @@ class SideTensor:
         the recomputed copy is handed out once and dies when the backward node that read it returns,
         before the engine sums that node's gradients to their shapes (a bias's), where autograd
         elsewhere keeps it until after. Empty: as ``saved_pre``/``saved_post``.
+    last_gain_ckpt : int
+        ``last_gain_full`` in a checkpoint's first pass (its last consumer in the checkpointed segment
+        that makes it): that pass keeps none of the tensors its layers save, so the tensor dies at its
+        last use there even where a layer saves it. At most 0; 0: unknown, or no change.
     """
 
     bytes: int
@@ -97,6 +101,7 @@ class SideTensor:
     last_gain_full: int | None = None
     saved_pre_rec: tuple[int, ...] = ()
     saved_post_rec: tuple[int, ...] = ()
+    last_gain_ckpt: int = 0
 
     @property
     def grad_bytes(self) -> int:
@@ -149,6 +154,8 @@ class SideTensor:
             out["last_gain"] = int(self.last_gain)
         if self.last_gain_full is not None and self.last_gain_full != self.last_gain:
             out["last_gain_full"] = int(self.last_gain_full)
+        if self.last_gain_ckpt:
+            out["last_gain_ckpt"] = int(self.last_gain_ckpt)
         return out
 
 
@@ -163,7 +170,8 @@ class SideArrays(NamedTuple):
     side gradients live through layer i's backward besides what it creates (pending ones, and
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
     triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
-    ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None).
+    ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None); ``sdiec``:
+    its ``last_gain_ckpt``.
     """
 
     sa: np.ndarray
@@ -191,6 +199,7 @@ class SideArrays(NamedTuple):
     fpost: np.ndarray
     sdie: np.ndarray
     sdief: np.ndarray
+    sdiec: np.ndarray
 
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
@@ -262,7 +271,8 @@ class SideArrays(NamedTuple):
         hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
         arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
                   svptr, svu, svpre, svpost, svpre_r, svpost_r, hasrel, fp, fq, [t.last_gain for t in side],
-                  [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side]]
+                  [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side],
+                  [t.last_gain_ckpt for t in side]]
         out = []
         for x in arrays:
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -283,7 +293,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
                                 "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full",
-                                "saved_pre_rec", "saved_post_rec"}
+                                "saved_pre_rec", "saved_post_rec", "last_gain_ckpt"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
@@ -291,7 +301,8 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
                                tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
                                tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"),
-                               tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())))
+                               tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())),
+                               t.get("last_gain_ckpt", 0))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -337,7 +348,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
         gain, full = t.last_gain, t.last_gain_full
-        for what, v in (("last_gain", gain), ("last_gain_full", full)):
+        for what, v in (("last_gain", gain), ("last_gain_full", full), ("last_gain_ckpt", t.last_gain_ckpt)):
             if v is None and what == "last_gain_full":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v > 0:
@@ -345,7 +356,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                    "forward peak changes by when it dies there)", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
                               pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
-                              None if full is None else int(full), pre_r, post_r))
+                              None if full is None else int(full), pre_r, post_r, int(t.last_gain_ckpt)))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

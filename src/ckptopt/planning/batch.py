@@ -92,7 +92,8 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
     return icpt, slope
 
 
-_SIDE_SIZES = ("bytes", "grad", "saved_pre", "saved_post", "saved_pre_rec", "saved_post_rec", "last_gain")  # the side-tensor fields that scale with the batch
+_SIDE_SIZES = ("bytes", "grad", "saved_pre", "saved_post", "saved_pre_rec", "saved_post_rec", "last_gain",
+               "last_gain_full", "last_gain_ckpt")  # the side-tensor fields that scale with the batch
 
 
 def _affine_side(s1: list, s2: list, b1: int, b2: int) -> tuple[list, list] | None:
@@ -234,8 +235,8 @@ class BatchCosts:
             for t, i, s in zip(traced["side"], icpt["side"], slope["side"]):
                 t = dict(t)
                 for k in i:
-                    # (sizes at least 0; last_gain, what a forward peak loses, at most 0)
-                    v = [min(0, a + b * batch) if k == "last_gain" else max(0, a + b * batch)
+                    # (sizes at least 0; the gains, what a forward peak loses, at most 0)
+                    v = [min(0, a + b * batch) if k.startswith("last_gain") else max(0, a + b * batch)
                          for a, b in zip(i[k], s[k])]
                     t[k] = v if isinstance(t[k], list) else v[0]
                 if t.get("grad"):  # a gradient's storage holds the gradient (fitted apart, they may cross)

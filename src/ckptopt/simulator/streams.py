@@ -7,10 +7,11 @@ consumer ``smax``), the holding rule:
 * **forward**: the copy the forward made lives from its producer's forward to its last
   consumer's (to the end of a checkpointed consumer segment, whose call holds its
   arguments), and beyond while anything holds it; where nothing does (an unwrapped segment,
-  a recomputation), it dies at its last use inside its last consumer, whose forward term then
-  changes by ``last_gain_full`` (``sdief``, at most 0; ``last_gain``, ``sdie``, in a recomputation,
-  which may stop before that use; the first pass of a checkpointed segment that makes it keeps
-  the term with it, an over-prediction);
+  a recomputation, the first pass of the checkpointed segment that makes it and reads it last),
+  it dies at its last use inside its last consumer, whose forward term then changes by
+  ``last_gain_full`` (``sdief``, at most 0; in a recomputation that stops in that layer, at its
+  last saved tensor, ``last_gain``, ``sdie``; in a checkpoint's first pass, which keeps no saved
+  tensor, ``last_gain_ckpt``, ``sdiec``, saved or not);
 * **holders**: a checkpointed segment that reads it and saves anything (its frame, let go
   with the backward of the segment's first saving layer); a layer of an unwrapped segment
   that saves it (let go with its backward). The producer's own checkpointed segment holds
@@ -193,6 +194,8 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
             else:
                 for i in range(p + 1, fend + 1):
                     fadd[i] += sa
+                if smax <= r:  # (the first pass keeps no saved tensor: it dies inside its last reader)
+                    fadd[smax] += SD.sdiec[j]
                 if p <= e:  # recomputed: a new copy, packed again by every layer that saves it
                     rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, trigger)
                     rend = smax

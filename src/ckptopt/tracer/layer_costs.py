@@ -65,6 +65,7 @@ class LayerMeasurement:
     side_in_saved: tuple[bool, ...] = ()  # per side input: the layer saves it
     side_in_last_gain: tuple[int, ...] = ()  # per side input: the forward peak's change when it dies at its last use
     side_in_last_gain_full: tuple[int, ...] = ()  # ... in the whole forward (not stopped at the last pack)
+    side_in_last_gain_ckpt: tuple[int, ...] = ()  # ... in a checkpoint's first pass (saved or not)
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
     side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
@@ -661,6 +662,16 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         # (in a recomputation that stops at the layer's last saved tensor; in its whole forward)
         last_gain = _dying_gains(dying, lambda d: min(0, max(change(d)[2:] or change(d)[:2])), len(side_inputs))
         last_full = _dying_gains(dying, lambda d: min(0, max(change(d)[:2])), len(side_inputs))
+        # ... and in a checkpoint's first pass, which keeps none of the saved tensors: one it saves dies too
+        ref_c = [fc, ffc] if packs else ref[:2]
+
+        def change_c(drop: tuple) -> list[int]:
+            if not packs:
+                return change(drop)[:2]
+            return [v - w for v, w in zip(_forward_pass(*run, keep_saves=False, drop_side=drop)[:2], ref_c)]
+
+        dying_c = [k for k, last in enumerate(side_last) if last] if freeing is not None else []
+        last_ckpt = _dying_gains(dying_c, lambda d: min(0, max(change_c(d))), len(side_inputs))
 
     sout = y_ptr is not None and y_ptr in saved
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
@@ -683,6 +694,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         ffc=ffc,
         side_in_last_gain=tuple(int(g) for g in last_gain),
         side_in_last_gain_full=tuple(int(g) for g in last_full),
+        side_in_last_gain_ckpt=tuple(int(g) for g in last_ckpt),
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),

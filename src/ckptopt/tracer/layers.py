@@ -244,15 +244,16 @@ class _Found:
     together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     # (saving layer, side tensors it lets go at one moment: the same split)
     together_rec: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
-    last_gain: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    last_gain: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
     # (in every way it runs, and in its whole forward)
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         split = []
-        for t, gain, full in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain):
-            if gain or full:
-                self.last_gain[t] = (gain, full)
+        for t, gain, full, ckpt in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain,
+                                       m.side_in_last_gain_ckpt or [0] * len(io.side_in)):
+            if gain or full or ckpt:
+                self.last_gain[t] = (gain, full, ckpt)
         split_rec = []
         for t, saved, rel, rec in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in),
                                       m.side_in_release_rec or m.side_in_release or [None] * len(io.side_in)):
@@ -321,7 +322,8 @@ class _Found:
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else (),
-                                   *self.last_gain.get(t, (0, None)), saved_pre_rec=pre_r, saved_post_rec=post_r))
+                                   *self.last_gain.get(t, (0, None, 0))[:2], saved_pre_rec=pre_r, saved_post_rec=post_r,
+                                   last_gain_ckpt=self.last_gain.get(t, (0, None, 0))[2]))
         return side
 
 
