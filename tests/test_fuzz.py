@@ -1286,3 +1286,23 @@ def test_regression_a_side_tensor_dies_inside_its_last_reader_in_a_checkpoints_f
     model, x, tm = _traced(REGRESSION_A_DYING_SIDE_INPUTS_GAIN_IN_THE_WHOLE_FORWARD, 780222873)
     assert any(t.last_gain_ckpt < 0 for t in tm.costs.side)
     _assert_exact_by_phase(model, x, tm, [(1, 5, 6), (1, 2, 5, 6, 7), (1, 5, 6, 7)])
+
+
+# Issue-19 fuzz (run on d13188f, 2026-11-26, eighth session), seed 132799215: the first layer's backward (a BatchNorm,
+# an upsampling, a dropout) uses its output gradient up before it first reads a saved tensor, so its part from that
+# read on peaks below the injected gradient: brt came out negative and the tracer refused its own cost model
+# (InvalidCosts). Taken at least 0 now, as b is.
+REGRESSION_THE_PART_AFTER_THE_FIRST_READ_HAS_NO_OUTPUT_GRADIENT = Spec(family='conv', dtype='bfloat16', batch=2,
+    shape=(2, 4, 4), nodes=(
+        Node(op='bn', inputs=(0,), width=0, inplace=''), Node(op='up', inputs=(1,), width=0, inplace=''),
+        Node(op='dropout', inputs=(1,), width=0, inplace=''), Node(op='conv3', inputs=(3,), width=3, inplace=''),
+        Node(op='cat', inputs=(1, 4), width=0, inplace='relu_module'), Node(op='cat', inputs=(0, 4), width=0, inplace=''),
+        Node(op='bn', inputs=(6,), width=0, inplace=''), Node(op='mul', inputs=(1, 3), width=0, inplace=''),
+        Node(op='gelu', inputs=(8,), width=0, inplace=''), Node(op='sigmoid', inputs=(2,), width=0, inplace='')),
+    classes=2, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_the_triggers_part_after_its_first_read_is_never_negative():
+    model, x, tm = _traced(REGRESSION_THE_PART_AFTER_THE_FIRST_READ_HAS_NO_OUTPUT_GRADIENT, 132799215)
+    assert (tm.costs.brt >= 0).all() and (tm.costs.brt < tm.costs.br).any()
+    _assert_exact_by_phase(model, x, tm, [(1,), (2,), (1, 2), (2, 4)])

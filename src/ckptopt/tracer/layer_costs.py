@@ -700,8 +700,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         bk=int(peaks[2] - out_grads - pending),
         br=int(rec_peaks[0] - out_grads - pending),
         bkr=int(rec_peaks[1] - out_grads - pending),
-        brt=int(rec_post[0] - out_grads - pending),
-        bkrt=int(rec_post[1] - out_grads - pending),
+        # (at least 0: an output gradient the part before the read used up is gone after it, as b counts it)
+        brt=int(max(0, rec_post[0] - out_grads - pending)),
+        bkrt=int(max(0, rec_post[1] - out_grads - pending)),
         rgx=int(rgx),
         gin=record.get("in_bytes"),
         gin_is_out=bool(record.get("in_is_out", False)),
