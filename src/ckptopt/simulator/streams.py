@@ -131,9 +131,11 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
     trigger = r
     e = l - 1
     partial = False
+    rl = e  # the last layer whose recomputation addends are filled: layer l's too for the trigger's first part
     if not unwrapped and seg_saves:
         trigger, e, partial = recompute_span(l, r, K)
-        for i in range(l, (e if e > l else l) + 1):  # (layer l's also for the trigger's first part)
+        rl = e if e > l else l
+        for i in range(l, rl + 1):
             radd[i] = SD.rside[trigger]
     held = 0
     frame = 0  # side bytes the checkpoint's frame holds
@@ -161,7 +163,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
         if unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
             fadd[smax] += SD.sdief[j]
         if hold:
-            for i in range(l, (e if e > l else l) + 1 if not unwrapped and seg_saves else e + 1):
+            for i in range(l, rl + 1):
                 radd[i] += sa
             for i in range(rho + 1, r + 1):
                 badd[i] += sa

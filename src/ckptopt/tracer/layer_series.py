@@ -3,6 +3,7 @@ them (docs/design.md §3): helpers of :func:`ckptopt.tracer.layer_costs.measure_
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -315,8 +316,6 @@ def _dying_gains(dying: list[int], run_gain, n: int, cap: int = 3) -> list[int]:
             k = min(single, key=lambda j: (single[j], j))
             out[k] = single[k]
         return out
-    import itertools
-
     order = sorted(dying, key=lambda j: (single[j], j))
     sets = {(k,): single[k] for k in dying}
     for size in range(2, len(order) + 1):
