@@ -157,15 +157,23 @@ def check_random_model(spec: Spec, max_crossing: int | None = None) -> None:
     _ran["models"] += 1
 
 
+def _plan(p) -> tuple[tuple, tuple]:
+    """``(checkpoints, stored)`` of a plan given as segment starts or as such a pair."""
+    return (p[0], p[1]) if p and isinstance(p[0], tuple) else (p, ())
+
+
 def _gaps(model, x, tm, plans) -> dict:
-    """Measured minus predicted peak of a real training step, for each plan (segment starts)."""
+    """Measured minus predicted peak of a real training step, for each plan (segment starts, or
+    ``(segment starts, stored starts)``)."""
     from ckptopt import Plan
 
     out = {}
-    for cps in plans:
-        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
+    for p in plans:
+        cps, stored = _plan(p)
+        opt = apply_plan(model, tm, Plan(cps, simulate(tm.costs, cps, stored).peak_bytes, "given", 0.0, tm.n,
+                                         stored))
         try:
-            out[cps] = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
+            out[p] = measure_peak(opt, (x,)) - opt.predicted_peak_bytes
         finally:
             opt.remove_hooks()
     return out
@@ -908,9 +916,9 @@ def test_regression_a_side_gradient_is_pending_only_if_a_later_consumer_adds_to_
 
 def _assert_exact_by_phase(model, x, tm, plans) -> None:
     """:func:`_assert_exact`, where a plan that peaks in the forward has no loss yet (gap 0)."""
-    for cps, gap in _gaps(model, x, tm, plans).items():
-        want = 0 if simulate(tm.costs, cps).phase == "forward" else LOSS_BYTES
-        assert gap == want, (cps, gap)
+    for p, gap in _gaps(model, x, tm, plans).items():
+        want = 0 if simulate(tm.costs, *_plan(p)).phase == "forward" else LOSS_BYTES
+        assert gap == want, (p, gap)
 
 
 # Issue-19 fuzz (2026-11-26 run), seed 516089506: a layer (convolution, gelu, silu, sigmoid,
@@ -1306,3 +1314,27 @@ def test_regression_the_triggers_part_after_its_first_read_is_never_negative():
     model, x, tm = _traced(REGRESSION_THE_PART_AFTER_THE_FIRST_READ_HAS_NO_OUTPUT_GRADIENT, 132799215)
     assert (tm.costs.brt >= 0).all() and (tm.costs.brt < tm.costs.br).any()
     _assert_exact_by_phase(model, x, tm, [(1,), (2,), (1, 2), (2, 4)])
+
+
+# Issue-19 fuzz (run on d13188f, 2026-11-26, eighth session), seed 236179101: the one under-prediction, 632 B on
+# two plans. A product (tanh output times a BatchNorm output, a side tensor it saves and lets go last) opens a
+# segment whose input no earlier layer keeps (the tanh before it is checkpointed). Its backward figure then has the
+# input go with its last saved tensor (bkr, bf), but the splits at the frame's and the side tensor's release were
+# measured with the input held to the end (as b): from the release on they counted the input, so the side tensor,
+# gone at the same moment, seemed to add nothing before it. Measured now as the backward figure they go with too
+# (ChainCosts.fkpre/fkpost, SideTensor.saved_pre_free/saved_post_free), taken where no earlier layer keeps the input.
+REGRESSION_A_SPLIT_WITH_THE_INPUT_GONE = Spec(family='conv', dtype='float32', batch=3, shape=(4, 4, 4), nodes=(
+    Node(op='dropout', inputs=(0,), width=0, inplace=''), Node(op='bn', inputs=(1,), width=0, inplace=''),
+    Node(op='silu', inputs=(2,), width=0, inplace=''), Node(op='conv3', inputs=(3,), width=4, inplace=''),
+    Node(op='mul', inputs=(4, 1), width=0, inplace=''), Node(op='cat', inputs=(5, 1), width=0, inplace=''),
+    Node(op='conv1', inputs=(6,), width=4, inplace=''), Node(op='tanh', inputs=(7,), width=0, inplace=''),
+    Node(op='mul', inputs=(8, 2), width=0, inplace=''), Node(op='add', inputs=(9, 2), width=0, inplace='')),
+    classes=3, input_requires_grad=False, dropout_p=0.3, kind='skip')
+
+
+def test_regression_release_splits_have_the_input_go_as_the_backward_figure_does():
+    model, x, tm = _traced(REGRESSION_A_SPLIT_WITH_THE_INPUT_GONE, 236179101)
+    c = tm.costs
+    assert any(t.saved_pre_free for t in c.side) and (c.fkpost != c.fpost).any()
+    every = (3, 4, 5, 7, 8, 9, 10, 11)
+    _assert_exact_by_phase(model, x, tm, [every, (every, (3,)), (every, (7,)), (every, (5,)), (3, 4, 5, 6, 7, 8, 9, 10, 11)])

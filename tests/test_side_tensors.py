@@ -169,7 +169,7 @@ def test_segment_terms_are_the_terms_of_segment_peak_add(c):
             for unwrapped in (False, True):
                 for prev_keeps in (False, True):
                     for S in {0, (1 << nb) - 1, 5 % (1 << nb)}:
-                        side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark)
+                        side_terms(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark)
                         live_in = int(K.ck[l]) // 2 if l > 0 else 0
                         top = segment_peak_add(l, r, unwrapped, True, K, live_in, prev_keeps, fadd, radd, badd, True)[0]
                         segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out)

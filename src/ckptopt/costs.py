@@ -67,6 +67,9 @@ input ``x_{-1}`` is part of the static bytes. Per layer:
 ``fpre[i]``, ``fpost[i]`` (optional, together) layer ``i``'s backward peak, relative as ``b``,
            before and from the moment its last saved tensor is released (a checkpoint's
            frame goes then, and the side tensors only it holds). Default: none known
+``fkpre[i]``, ``fkpost[i]`` (optional, with ``fpre``) the same where only the frame holds
+           the layer's input (the first layer of a checkpointed segment that no earlier layer keeps
+           the input of: the input goes with the frame, as ``bkr`` has it). Default: ``fpre``, ``fpost``
 ``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
            counts (a static model input, a parameter): a checkpointed segment holding it
            keeps its checkpoint, and its backward triggers the recomputation. Default: False
@@ -127,7 +130,7 @@ __all__ = ["ChainCosts", "KernelArrays", "SideTensor", "SideArrays"]
 _FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
 _ADDITIVE_FIELDS = ("w", "h", "q")
 _FLAG_FIELDS = ("sin", "sout", "dead", "holds")
-_DEFAULTS_TO = {"brt": "br", "bkrt": "bkr", "rgp": "rg"}  # optional fields left out of a file where they equal these
+_DEFAULTS_TO = {"brt": "br", "bkrt": "bkr", "rgp": "rg", "fkpre": "fpre", "fkpost": "fpost"}  # optional fields left out of a file where they equal these
 # Sums of byte counts must stay far from int64 overflow in the solvers' sums.
 _MAX_TOTAL = 2**60
 _FORMAT = "ckptopt.ChainCosts"
@@ -135,7 +138,7 @@ _VERSION = 1
 
 
 #: Fields relative to a layer's backward start, which an input freed during the backward can put below 0.
-_SIGNED_FIELDS = ("fpre", "fpost")
+_SIGNED_FIELDS = ("fpre", "fpost", "fkpre", "fkpost")
 
 
 def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
@@ -358,6 +361,8 @@ class ChainCosts:
         gh: Sequence[int] | None = None,
         fpre: Sequence[int] | None = None,
         fpost: Sequence[int] | None = None,
+        fkpre: Sequence[int] | None = None,
+        fkpost: Sequence[int] | None = None,
         br: Sequence[int] | None = None,
         bkr: Sequence[int] | None = None,
         brt: Sequence[int] | None = None,
@@ -369,42 +374,18 @@ class ChainCosts:
         ffc: Sequence[int] | None = None,
     ):
         values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
-        if fs is not None:
-            values["fs"] = fs
-        if rg is not None:
-            values["rg"] = rg
-        if dead is not None:
-            values["dead"] = dead
-        if bk is not None:
-            values["bk"] = bk
-        if bf is not None:
-            values["bf"] = bf
-        if ff is not None:
-            values["ff"] = ff
-        if ffs is not None:
-            values["ffs"] = ffs
-        if fc is not None:
-            values["fc"] = fc
-        if ffc is not None:
-            values["ffc"] = ffc
-        if br is not None:
-            values["br"] = br
-        for name, given in (("bkr", bkr), ("brt", brt), ("bkrt", bkrt), ("rgp", rgp)):
-            if given is not None:
-                values[name] = given
-        if g is not None:
-            values["g"] = g
-        if holds is not None:
-            values["holds"] = holds
-        if groot is not None:
-            values["groot"] = groot
-        if gh is not None:
-            values["gh"] = gh
+        optional = dict(fs=fs, rg=rg, dead=dead, bk=bk, bf=bf, ff=ff, ffs=ffs, fc=fc, ffc=ffc, br=br, bkr=bkr,
+                        brt=brt, bkrt=bkrt, rgp=rgp, g=g, holds=holds, groot=groot, gh=gh)
+        values.update({name: given for name, given in optional.items() if given is not None})
         if (fpre is None) != (fpost is None):
             raise InvalidCosts("fields 'fpre' and 'fpost' go together: give both or neither", field="fpre")
+        if (fkpre is not None or fkpost is not None) and fpre is None:
+            raise InvalidCosts("fields 'fkpre' and 'fkpost' refine 'fpre' and 'fpost': give those too", field="fkpre")
         if fpre is not None:
             values["fpre"] = fpre
             values["fpost"] = fpost
+            values["fkpre"] = fpre if fkpre is None else fkpre
+            values["fkpost"] = fpost if fkpost is None else fkpost
         self._init("full", values, static, names, c, cb, unit)
         if ff is None:
             self._fields["ff"] = self._fields["f"]
@@ -571,7 +552,7 @@ class ChainCosts:
                 field=missing[0],
             )
         extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "brt", "bkrt", "rgp", "ff", "ffs", "fc", "ffc", "g", "holds", "groot", "gh",
-                                                     "fpre", "fpost"} if kind == "full" else set()))
+                                                     "fpre", "fpost", "fkpre", "fkpost"} if kind == "full" else set()))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         static = data.get("static", 0)
@@ -583,7 +564,8 @@ class ChainCosts:
                        rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
                        bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
                        side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
-                       fpre=layers.get("fpre"), fpost=layers.get("fpost"), br=layers.get("br"), bkr=layers.get("bkr"),
+                       fpre=layers.get("fpre"), fpost=layers.get("fpost"), fkpre=layers.get("fkpre"),
+                       fkpost=layers.get("fkpost"), br=layers.get("br"), bkr=layers.get("bkr"),
                        brt=layers.get("brt"), bkrt=layers.get("bkrt"), rgp=layers.get("rgp"),
                        ff=layers.get("ff"), ffs=layers.get("ffs"), fc=layers.get("fc"), ffc=layers.get("ffc"))
         return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
@@ -704,7 +686,8 @@ class ChainCosts:
     def side_arrays(self) -> SideArrays:
         """The side tensors as arrays for the compiled kernels (:class:`SideArrays`; built once)."""
         return SideArrays.build(self.n, self.side, self._fields["groot"], self._fields["gh"],
-                                self._fields.get("fpre"), self._fields.get("fpost"), self._fields.get("g"))
+                                self._fields.get("fpre"), self._fields.get("fpost"), self._fields.get("g"),
+                                self._fields.get("fkpre"), self._fields.get("fkpost"))
 
     # -- derived quantities (used by the simulator and the solvers) -------------
     @cached_property

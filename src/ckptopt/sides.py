@@ -81,6 +81,11 @@ class SideTensor:
         the recomputed copy is handed out once and dies when the backward node that read it returns,
         before the engine sums that node's gradients to their shapes (a bias's), where autograd
         elsewhere keeps it until after. Empty: as ``saved_pre``/``saved_post``.
+    saved_pre_free, saved_post_free : tuple of int
+        ``saved_pre``/``saved_post`` where nothing but the saving layer's own saved tensors holds its chain
+        input (the first layer of an unwrapped segment that no earlier layer keeps the input of: the
+        input then goes with the last saved tensor over it, as ``ChainCosts.bf`` has it), where
+        ``saved_pre``/``saved_post`` are measured with the input held as ``b`` has it. Empty: the same.
     last_gain_ckpt : int
         ``last_gain_full`` in a checkpoint's first pass (its last consumer in the checkpointed segment
         that makes it): that pass keeps none of the tensors its layers save, so the tensor dies at its
@@ -102,6 +107,8 @@ class SideTensor:
     saved_pre_rec: tuple[int, ...] = ()
     saved_post_rec: tuple[int, ...] = ()
     last_gain_ckpt: int = 0
+    saved_pre_free: tuple[int, ...] = ()
+    saved_post_free: tuple[int, ...] = ()
 
     @property
     def grad_bytes(self) -> int:
@@ -150,6 +157,9 @@ class SideTensor:
         if self.saved_pre_rec:
             out["saved_pre_rec"] = [int(x) for x in self.saved_pre_rec]
             out["saved_post_rec"] = [int(x) for x in self.saved_post_rec]
+        if self.saved_pre_free:
+            out["saved_pre_free"] = [int(x) for x in self.saved_pre_free]
+            out["saved_post_free"] = [int(x) for x in self.saved_post_free]
         if self.last_gain:
             out["last_gain"] = int(self.last_gain)
         if self.last_gain_full is not None and self.last_gain_full != self.last_gain:
@@ -171,7 +181,9 @@ class SideArrays(NamedTuple):
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
     triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
     ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None); ``sdiec``:
-    its ``last_gain_ckpt``.
+    its ``last_gain_ckpt``. ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
+    ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``hasrel``: known per
+    side tensor (the last entry: the frame's ``fpre``/``fpost`` and ``fkpre``/``fkpost`` are given).
     """
 
     sa: np.ndarray
@@ -194,9 +206,13 @@ class SideArrays(NamedTuple):
     svpost: np.ndarray
     svpre_r: np.ndarray
     svpost_r: np.ndarray
+    svpre_f: np.ndarray
+    svpost_f: np.ndarray
     hasrel: np.ndarray
     fpre: np.ndarray
     fpost: np.ndarray
+    fkpre: np.ndarray
+    fkpost: np.ndarray
     sdie: np.ndarray
     sdief: np.ndarray
     sdiec: np.ndarray
@@ -204,7 +220,8 @@ class SideArrays(NamedTuple):
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
               gh: Sequence[int] | None = None, fpre: Sequence[int] | None = None,
-              fpost: Sequence[int] | None = None, g: Sequence[int] | None = None) -> "SideArrays":
+              fpost: Sequence[int] | None = None, g: Sequence[int] | None = None,
+              fkpre: Sequence[int] | None = None, fkpost: Sequence[int] | None = None) -> "SideArrays":
         m = len(side)
         sa = [t.bytes for t in side]
         sg = [t.grad_bytes for t in side]
@@ -256,21 +273,27 @@ class SideArrays(NamedTuple):
                                 outlives = True     # backward, lets the view go within it)
                 # ... but it then outlives the layer's backward, which its b assumed freed
                 out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
-        svptr, svu, svpre, svpost, svpre_r, svpost_r, hasrel = [0], [], [], [], [], [], []
+        svptr, svu, svpre, svpost, svpre_r, svpost_r, svpre_f, svpost_f, hasrel = [0], [], [], [], [], [], [], [], []
         for t in side:
             svu.extend(t.saved_by)
-            svpre.extend(t.saved_pre or [0] * len(t.saved_by))
-            svpost.extend(t.saved_post or [0] * len(t.saved_by))
-            svpre_r.extend(t.saved_pre_rec or t.saved_pre or [0] * len(t.saved_by))
-            svpost_r.extend(t.saved_post_rec or t.saved_post or [0] * len(t.saved_by))
+            zero = [0] * len(t.saved_by)
+            svpre.extend(t.saved_pre or zero)
+            svpost.extend(t.saved_post or zero)
+            svpre_r.extend(t.saved_pre_rec or t.saved_pre or zero)
+            svpost_r.extend(t.saved_post_rec or t.saved_post or zero)
+            svpre_f.extend(t.saved_pre_free or t.saved_pre or zero)
+            svpost_f.extend(t.saved_post_free or t.saved_post or zero)
             hasrel.append(1 if t.saved_pre else 0)
             svptr.append(len(svu))
         have = fpre is not None and fpost is not None
         fp = list(fpre) if have else [0] * n
         fq = list(fpost) if have else [0] * n
+        fkp = list(fkpre) if have and fkpre is not None else fp
+        fkq = list(fkpost) if have and fkpost is not None else fq
         hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
         arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
-                  svptr, svu, svpre, svpost, svpre_r, svpost_r, hasrel, fp, fq, [t.last_gain for t in side],
+                  svptr, svu, svpre, svpost, svpre_r, svpost_r, svpre_f, svpost_f, hasrel, fp, fq, fkp, fkq,
+                  [t.last_gain for t in side],
                   [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side],
                   [t.last_gain_ckpt for t in side]]
         out = []
@@ -293,7 +316,8 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if isinstance(t, Mapping):
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
                                 "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full",
-                                "saved_pre_rec", "saved_post_rec", "last_gain_ckpt"}
+                                "saved_pre_rec", "saved_post_rec", "last_gain_ckpt", "saved_pre_free",
+                                "saved_post_free"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
@@ -302,7 +326,8 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
                                tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"),
                                tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())),
-                               t.get("last_gain_ckpt", 0))
+                               t.get("last_gain_ckpt", 0), tuple(t.get("saved_pre_free", ())),
+                               tuple(t.get("saved_post_free", ())))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -339,11 +364,17 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if (pre_r or post_r) and not (pre and len(pre_r) == len(post_r) == len(t.saved_by)):
             raise InvalidCosts(f"{where}: saved_pre_rec and saved_post_rec need saved_pre and one entry per "
                                "saved_by layer", field="side", index=k)
+        pre_f, post_f = tuple(int(x) for x in t.saved_pre_free), tuple(int(x) for x in t.saved_post_free)
+        if (pre_f or post_f) and not (pre and len(pre_f) == len(post_f) == len(t.saved_by)):
+            raise InvalidCosts(f"{where}: saved_pre_free and saved_post_free need saved_pre and one entry per "
+                               "saved_by layer", field="side", index=k)
         if pre:  # in the order of the sorted saved_by
             order = sorted(range(len(t.saved_by)), key=lambda q: int(t.saved_by[q]))
             pre, post = tuple(pre[q] for q in order), tuple(post[q] for q in order)
             if pre_r:
                 pre_r, post_r = tuple(pre_r[q] for q in order), tuple(post_r[q] for q in order)
+            if pre_f:
+                pre_f, post_f = tuple(pre_f[q] for q in order), tuple(post_f[q] for q in order)
         gby = tuple(sorted(set(int(u) for u in t.grad_by)))
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
@@ -356,7 +387,8 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                    "forward peak changes by when it dies there)", field="side", index=k)
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
                               pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
-                              None if full is None else int(full), pre_r, post_r, int(t.last_gain_ckpt)))
+                              None if full is None else int(full), pre_r, post_r, int(t.last_gain_ckpt),
+                              pre_f, post_f))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

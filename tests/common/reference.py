@@ -153,8 +153,10 @@ def _full(c, checkpoints, stored):
         """What x bytes present until a moment of a layer's backward add to its peak."""
         return max(pre + x, post) - max(pre, post)
 
-    def side_released(i, rec_side=()):
-        """(tokens let go mid-way through layer i's backward, what they add to its peak)."""
+    def side_released(i, rec_side=(), alone=False):
+        """(tokens let go mid-way through layer i's backward, what they add to its peak); ``alone``:
+        nothing before layer i holds its input (the first layer of its segment): its splits then
+        have the input go as its backward figure has it (with the frame, or its own last save)."""
         tokens, add, frame = set(), 0, 0
         for j, t in enumerate(side):
             if release[j] == i:
@@ -162,22 +164,27 @@ def _full(c, checkpoints, stored):
                 if release_kind[j] == "frame":
                     frame += t.bytes
                 else:
-                    add += own_gain(j, i, t.bytes)
+                    add += own_gain(j, i, t.bytes, free=alone and sout[i - 1])  # (b is bf where i-1 saves nothing)
         for tok, first in rec_side:
             if first == i:
                 tokens.add(tok)
                 add += own_gain(int(tok[2:]), i, size[tok], rec=True)
-        if frame:
-            add += gain(frame, int(c.fpre[i]), int(c.fpost[i])) if has_frame else frame
+        if frame and has_frame:
+            pre, post = (c.fkpre[i], c.fkpost[i]) if alone else (c.fpre[i], c.fpost[i])
+            add += gain(frame, int(pre), int(post))
+        elif frame:
+            add += frame
         return tokens, add
 
-    def own_gain(j, u, x, rec=False):
+    def own_gain(j, u, x, rec=False, free=False):
         t = side[j]
         if not t.saved_pre:
             return x
         q = t.saved_by.index(u)
         if rec and t.saved_pre_rec:  # a recomputed copy: it goes with the node that read it
             return gain(x, t.saved_pre_rec[q], t.saved_post_rec[q])
+        if free and t.saved_pre_free:  # its saver's input held by nothing but its own saves
+            return gain(x, t.saved_pre_free[q], t.saved_post_free[q])
         return gain(x, t.saved_pre[q], t.saved_post[q])
 
     def side_backward(i):
@@ -276,7 +283,7 @@ def _full(c, checkpoints, stored):
             # layers at the end that save nothing: their backward reads no saved tensor, so the
             # engine runs it before anything triggers the recomputation
             while top >= l and not saves_anything(top):
-                gone, add = side_released(top)
+                gone, add = side_released(top, alone=top == l and l > 0 and not prev_keeps)
                 peak = max(peak, total((held | grads | {f"g{top}"} | side_backward(top)) - gone) + add
                            + (b_first if top == l else bseg[top]))
                 grads.add(f"gp{top}")
@@ -328,7 +335,7 @@ def _full(c, checkpoints, stored):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"} | side_backward(i)
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
-            gone, add = side_released(i, rec_side if not unwrapped[k] else ())
+            gone, add = side_released(i, rec_side if not unwrapped[k] else (), i == l and l > 0 and not prev_keeps)
             bi = b_first if i == l else bseg[i]
             if not unwrapped[k] and i == top:  # (from its first read on)
                 bi = brt[i] if i > l or l == 0 or prev_keeps else bkrt[l]

@@ -104,9 +104,14 @@ def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
         if pre and draw(st.booleans()):  # ... where a recomputed copy goes with the node that read it
             pre_r = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
             post_r = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+        pre_f = post_f = ()
+        if pre and draw(st.booleans()):  # ... where nothing but the saver's own saves holds its input
+            pre_f = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
+            post_f = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
         gby = tuple(u for u in cons if draw(st.booleans())) if grad != 0 and draw(st.booleans()) else ()
         out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post, gby,
-                              saved_pre_rec=pre_r, saved_post_rec=post_r))
+                              saved_pre_rec=pre_r, saved_post_rec=post_r, saved_pre_free=pre_f,
+                              saved_post_free=post_f))
     return out
 
 
@@ -128,4 +133,7 @@ def side_costs(draw, max_n: int = 9, max_value: int = 100):
     if draw(st.booleans()):
         d["layers"]["fpre"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
         d["layers"]["fpost"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+        if draw(st.booleans()):  # ... where only the frame holds the layer's input
+            d["layers"]["fkpre"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+            d["layers"]["fkpost"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
     return ChainCosts.from_dict(d)

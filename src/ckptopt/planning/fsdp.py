@@ -163,7 +163,7 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
             L[k] = [int(x) + int(y) for x, y in zip(L[k], bwd)]
     # (the trigger's backward before its first read runs with its unit gathered too)
     L["rgp"] = [int(x) + int(y) for x, y in zip(L.get("rgp", L["rg"]), bwd)]
-    for k in ("fpre", "fpost"):
+    for k in ("fpre", "fpost", "fkpre", "fkpost"):
         if L.get(k) is not None:
             L[k] = [int(x) + int(y) for x, y in zip(L[k], bwd)]
     newp = [int(x) if owner[i] < 0 else 0 for i, x in enumerate(p)]

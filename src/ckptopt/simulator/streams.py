@@ -38,7 +38,7 @@ from numba import njit
 
 from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
-__all__ = ["side_terms", "side_terms_frame", "simulate_plan_side", "side_scratch"]
+__all__ = ["side_terms", "side_terms_frame", "frame_split", "simulate_plan_side", "side_scratch"]
 
 
 def side_scratch(n: int, ns: int):
@@ -61,17 +61,18 @@ def _first_saver(SD, j, lo, hi):
 
 
 @njit(cache=True)
-def _release_add(SD, j, u, sa, rec=False):
+def _release_add(SD, j, u, sa, rec, free):
     """What side tensor ``j`` (``sa`` bytes) adds to layer ``u``'s backward when ``u``'s saved
     reference is the last to let it go: present until that moment of the backward (its peaks
     before and from it, ``svpre``/``svpost``; ``rec``: a recomputed copy, which goes with the node
-    that read it, ``svpre_r``/``svpost_r``), ``sa`` throughout when they are not known."""
+    that read it, ``svpre_r``/``svpost_r``; ``free``: ``u``'s input held by nothing but its own saves,
+    ``svpre_f``/``svpost_f``), ``sa`` throughout when they are not known."""
     if SD.hasrel[j] == 0:
         return sa
     for q in range(SD.svptr[j], SD.svptr[j + 1]):
         if SD.svu[q] == u:
-            pre = SD.svpre_r[q] if rec else SD.svpre[q]
-            post = SD.svpost_r[q] if rec else SD.svpost[q]
+            pre = SD.svpre_r[q] if rec else SD.svpre_f[q] if free else SD.svpre[q]
+            post = SD.svpost_r[q] if rec else SD.svpost_f[q] if free else SD.svpost[q]
             top = pre if pre > post else post
             v = pre + sa
             return (v if v > post else post) - top
@@ -79,13 +80,22 @@ def _release_add(SD, j, u, sa, rec=False):
 
 
 @njit(cache=True)
-def _frame_add(SD, u, x):
+def frame_split(SD, u, alone):
+    """``(pre, post)``: layer ``u``'s backward peak before and from its last saved tensor's release, with
+    its input held as its backward term has it (``alone``: by the frame only, ``fkpre``/``fkpost``)."""
+    if alone:
+        return SD.fkpre[u], SD.fkpost[u]
+    return SD.fpre[u], SD.fpost[u]
+
+
+@njit(cache=True)
+def _frame_add(SD, u, x, alone):
     """What ``x`` bytes held by a checkpoint's frame add to layer ``u``'s backward, the frame going
-    when ``u``'s last saved tensor is released (``x`` throughout when that moment is not known)."""
+    when ``u``'s last saved tensor is released (``x`` throughout when that moment is not known);
+    ``alone``: the frame alone holds ``u``'s input, which goes with it."""
     if SD.hasrel[SD.hasrel.shape[0] - 1] == 0:
         return x
-    pre = SD.fpre[u]
-    post = SD.fpost[u]
+    pre, post = frame_split(SD, u, alone)
     top = pre if pre > post else post
     v = pre + x
     return (v if v > post else post) - top
@@ -103,20 +113,21 @@ def _reads_in(SD, j, lo, hi):
 
 
 @njit(cache=True)
-def side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark):
-    """What the side tensors add to segment ``[l, r]`` (``unwrapped``: stored or the last).
+def side_terms(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark):
+    """What the side tensors add to segment ``[l, r]`` (``unwrapped``: stored or the last;
+    ``prev_keeps``: the previous segment is stored and keeps its input).
 
     ``S``: bit k set when the k-th side tensor open at ``l`` is held by an earlier segment
     (its bytes are then constant, outside this segment's terms). Fills ``fadd``, ``radd``,
     ``badd`` over ``l..r``. Returns ``(held, S2)``: the bytes this segment starts to hold
     for every later segment, and the mask at ``r + 1``. O(r - l + the side tensors' reads).
     """
-    held, S2, frame, fsv = side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, True)
+    held, S2, frame, fsv = side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark, True)
     return held, S2
 
 
 @njit(cache=True)
-def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_frame):
+def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark, apply_frame):
     """:func:`side_terms`, also returning ``(held, S2, frame, fsv)``: the side bytes a checkpointed
     segment's frame holds, let go in the backward of its first saving layer ``fsv``. With
     ``apply_frame`` False that release (:func:`_frame_add`, not linear in ``frame``) is left out of
@@ -128,6 +139,10 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
         badd[i] = SD.bgrad[i]
     fsv = first_saving(l, r, K)
     seg_saves = fsv <= r
+    # no earlier layer holds layer l's input: its release splits are taken as its backward figure has it
+    # (with the frame, as bkr; with its own last save, as bf where layer l - 1 saves it: b is bf elsewhere)
+    alone = l > 0 and not prev_keeps
+    free = alone and unwrapped and K.sout[l - 1] != 0
     trigger = r
     e = l - 1
     partial = False
@@ -168,7 +183,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
             for i in range(rho + 1, r + 1):
                 badd[i] += sa
             if unwrapped:  # let go mid-backward by the layer that saves it
-                badd[rho] += _release_add(SD, j, rho, sa)
+                badd[rho] += _release_add(SD, j, rho, sa, False, free and rho == l)
             else:  # ... or with the frame, with the first saving layer's last saved tensor
                 frame += sa
             held += sa
@@ -190,7 +205,7 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                 if hold:
                     for i in range(rho + 1, r + 1):
                         badd[i] += sa
-                    badd[rho] += _release_add(SD, j, rho, sa)
+                    badd[rho] += _release_add(SD, j, rho, sa, False, free and rho == l)
                     held += sa
                     mark[j] = 1
             else:
@@ -212,9 +227,9 @@ def side_terms_frame(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark, apply_fr
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
-                        badd[rho] += _release_add(SD, j, rho, sa, True)
+                        badd[rho] += _release_add(SD, j, rho, sa, True, False)
     if frame and apply_frame:
-        badd[fsv] += _frame_add(SD, fsv, frame)
+        badd[fsv] += _frame_add(SD, fsv, frame, alone and fsv == l)
     # the mask at r + 1, and the marks cleared
     S2 = 0
     b1 = SD.bptr[r + 1]
@@ -253,7 +268,7 @@ def simulate_plan_side(starts, stored, n, K, SD, fadd, radd, badd, mark):
             c = held_checkpoint(l, r, st, True, K)
             live_in = K.ck[l] - c if k > 0 else 0
         held += c
-        dside, S2 = side_terms(l, r, st, S, K, SD, fadd, radd, badd, mark)
+        dside, S2 = side_terms(l, r, st, prev_keeps, S, K, SD, fadd, radd, badd, mark)
         v, ph, ly = segment_peak_add(l, r, st, True, K, live_in, prev_keeps, fadd, radd, badd, True)
         v += held
         if v > best:

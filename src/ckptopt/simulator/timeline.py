@@ -171,7 +171,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         own.append(c)
         side_held = 0
         if costs.has_side:
-            side_held, mask = streams.side_terms(l, r, unwrapped, mask, K, SD, fadd, radd, badd, marks)
+            side_held, mask = streams.side_terms(l, r, unwrapped, prev_keeps, mask, K, SD, fadd, radd, badd, marks)
             adds.append((fadd.copy(), radd.copy(), badd.copy()))
         else:
             adds.append(None)

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
-from ..simulator.streams import side_terms, side_terms_frame, simulate_plan_side
+from ..simulator.streams import frame_split, side_terms, side_terms_frame, simulate_plan_side
 from .rows import grow
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
@@ -80,7 +80,7 @@ def _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark):
     else:
         c = held_checkpoint(l, r, unwrapped, True, K)
         live_in = K.ck[l] - c if l > 0 else 0
-    held, S2 = side_terms(l, r, unwrapped, S, K, SD, fadd, radd, badd, mark)
+    held, S2 = side_terms(l, r, unwrapped, flag != 0, S, K, SD, fadd, radd, badd, mark)
     D = segment_peak_add(l, r, unwrapped, True, K, live_in, flag != 0, fadd, radd, badd, True)[0]
     return c, D, held, S2
 
@@ -111,7 +111,8 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
     ns = 1 << nb
     full = ns - 1
     w = r - l + 1
-    held0, S20, frame0, fsv = side_terms_frame(l, r, unwrapped, full, K, SD, fadd, radd, badd, mark, False)
+    held0, S20, frame0, fsv = side_terms_frame(l, r, unwrapped, flag != 0, full, K, SD, fadd, radd, badd, mark,
+                                               False)
     segment_terms(l, r, unwrapped, K, live_in, flag != 0, fadd, radd, badd, terms)
     for i in range(l, r + 1):
         base3[i - l] = fadd[i]
@@ -119,7 +120,8 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         base3[2 * w + i - l] = badd[i]
     anyframe = False
     for k in range(nb):
-        hk, S2k, fk, _ = side_terms_frame(l, r, unwrapped, full ^ (1 << k), K, SD, fadd, radd, badd, mark, False)
+        hk, S2k, fk, _ = side_terms_frame(l, r, unwrapped, flag != 0, full ^ (1 << k), K, SD, fadd, radd, badd,
+                                          mark, False)
         for i in range(l, r + 1):
             coef[k, i - l] = fadd[i] - base3[i - l]
             coef[k, w + i - l] = radd[i] - base3[w + i - l]
@@ -138,8 +140,9 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
             continue
         if t == tf:
             hasrel = SD.hasrel[SD.hasrel.shape[0] - 1] != 0
-            pre = SD.fpre[fsv] if hasrel else 0
-            post = SD.fpost[fsv] if hasrel else 0
+            pre, post = frame_split(SD, fsv, l > 0 and flag == 0 and fsv == l)
+            if not hasrel:
+                pre, post = 0, 0
             top = pre if pre > post else post
             # + max(pre + x, post) - top, x the frame's bytes: (pre - top + x) and (post - top)
             gbase[G] = v + pre - top

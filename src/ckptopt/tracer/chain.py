@@ -337,6 +337,11 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
                 l.costs.frame_pre is not None for l in layers) else None,
             fpost=[int(l.costs.frame_post or 0) for l in layers] if side and all(
                 l.costs.frame_pre is not None for l in layers) else None,
+            # ... where only the frame holds the layer's input (it goes with the frame)
+            fkpre=[int(l.costs.frame_pre_k if l.costs.frame_pre_k is not None else l.costs.frame_pre or 0)
+                   for l in layers] if side and all(l.costs.frame_pre is not None for l in layers) else None,
+            fkpost=[int(l.costs.frame_post_k if l.costs.frame_post_k is not None else l.costs.frame_post or 0)
+                    for l in layers] if side and all(l.costs.frame_pre is not None for l in layers) else None,
         )
         return layers, costs
 

@@ -75,8 +75,11 @@ class LayerMeasurement:
     ga: int | None = None  # bytes of the output's gradient (less than a for a view of a larger storage)
     frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
     frame_post: int | None = None
+    frame_pre_k: int | None = None  # the same where only the frame holds the input (it goes then too, as bkr)
+    frame_post_k: int | None = None
     side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
     side_in_release_rec: tuple = ()  # per side input: the same in a recomputed segment (its copy dies earlier)
+    side_in_release_free: tuple = ()  # ... with the input held by nothing but the layer's saves (as bf); () same
     side_out_release: tuple = ()  # per side output: the same
     static_in_saved: tuple[bool, ...] = ()  # per static input: the layer saves it
     static_in_release: tuple = ()  # per static input: (b before, b from) its last saved reference's release
@@ -620,6 +623,17 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 frame = _split(rec_series, k0, _gone_at(released_keys, alive_keys, None))
                 side_release = [(_split(series, k0, _gone_at(released_keys, alive_keys, key))
                                  if alive_keys.get(key) else None) for key in side_ptrs]
+                # ... each as the backward figure it goes with where no earlier layer keeps the input:
+                # held by the frame alone, it goes with the frame (bkr); by nothing but the layer's
+                # saves, with the last over it (bf). Split with the input held, a side tensor that goes
+                # before the input does dropped out of the first layer of such a segment (632 B under)
+                frame_k = _split(_relative_series(rec_timeline, k0, backward_start, input_bytes, released, alive,
+                                                  alive_input, False, out_grads + pending, gone=rec_gones[1]),
+                                 k0, _gone_at(released_keys, alive_keys, None))
+                series_f = _relative_series(timeline, k0, backward_start, input_bytes, released, alive,
+                                            alive_input, False, out_grads + pending) if keep_input else series
+                side_release_free = [(_split(series_f, k0, _gone_at(released_keys, alive_keys, key))
+                                      if alive_keys.get(key) else None) for key in side_ptrs] if keep_input else []
                 # ... and in a recomputed segment, where the recomputed copy goes with the last node
                 # that read it (before the engine reduces that node's gradients: a bias's sum)
                 side_release_rec = [(_split(rec_series, k0, _gone_at(rec_gone, alive_keys, key))
@@ -729,6 +743,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         gh=int(gh),
         frame_pre=int(frame[0]),
         frame_post=int(frame[1]),
+        frame_pre_k=int(frame_k[0]),
+        frame_post_k=int(frame_k[1]),
+        side_in_release_free=tuple(side_release_free),
         side_in_release=tuple(side_release),
         side_in_release_rec=tuple(side_release_rec),
         side_out_release=tuple(side_out_release),

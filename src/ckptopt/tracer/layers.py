@@ -241,9 +241,12 @@ class _Found:
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
     release_rec: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     # ... in a recomputed segment, where its recomputed copy goes with the last node that read it
+    release_free: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
+    # ... where nothing but the layer's saves holds its chain input (the first layer of an unwrapped segment)
     together: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     # (saving layer, side tensors it lets go at one moment: the same split)
     together_rec: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    together_free: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     last_gain: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
     # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
     # (in every way it runs, and in its whole forward)
@@ -254,23 +257,27 @@ class _Found:
                                        m.side_in_last_gain_ckpt or [0] * len(io.side_in)):
             if gain or full or ckpt:
                 self.last_gain[t] = (gain, full, ckpt)
-        split_rec = []
-        for t, saved, rel, rec in zip(io.side_in, m.side_in_saved, m.side_in_release or [None] * len(io.side_in),
-                                      m.side_in_release_rec or m.side_in_release or [None] * len(io.side_in)):
+        split_rec, split_free = [], []
+        none = [None] * len(io.side_in)
+        for t, saved, rel, rec, free in zip(io.side_in, m.side_in_saved, m.side_in_release or none,
+                                            m.side_in_release_rec or m.side_in_release or none,
+                                            m.side_in_release_free or m.side_in_release or none):
             if saved:
                 self.saved[t].add(j)
                 self.release[(t, j)] = rel
                 self.release_rec[(t, j)] = rec
+                self.release_free[(t, j)] = free
                 split += [(t, tuple(rel))] if rel is not None else []
                 split_rec += [(t, tuple(rec))] if rec is not None else []
+                split_free += [(t, tuple(free))] if free is not None else []
         for t, saved, rel in zip(io.side_out, m.side_out_saved, m.side_out_release or [None] * len(io.side_out)):
             if saved:
                 self.saved[t].add(j)
-                self.release[(t, j)] = rel
-                self.release_rec[(t, j)] = rel  # (a side output: counted whole, recomputed or not)
-                split += [(t, tuple(rel))] if rel is not None else []
-                split_rec += [(t, tuple(rel))] if rel is not None else []
-        for pairs, out in ((split, self.together), (split_rec, self.together_rec)):
+                for release in (self.release, self.release_rec, self.release_free):
+                    release[(t, j)] = rel  # (a side output: counted whole, recomputed or not)
+                for pairs in (split, split_rec, split_free):
+                    pairs += [(t, tuple(rel))] if rel is not None else []
+        for pairs, out in ((split, self.together), (split_rec, self.together_rec), (split_free, self.together_free)):
             for rel in {r for _, r in pairs}:
                 together = [t for t, r in pairs if r == rel]
                 if len(together) > 1:  # (several let go at one moment: side_tensors chains their splits)
@@ -319,11 +326,17 @@ class _Found:
                              if pre and all(r is not None for r in rec) else ((), ()))
             if (pre_r, post_r) == (pre, post):
                 pre_r, post_r = (), ()
+            free = [self.release_free.get((t, u)) for u in savers]
+            pre_f, post_f = ((tuple(int(r[0]) for r in free), tuple(int(r[1]) for r in free))
+                             if pre and all(r is not None for r in free) else ((), ()))
+            if (pre_f, post_f) == (pre, post):
+                pre_f, post_f = (), ()
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else (),
                                    *self.last_gain.get(t, (0, None, 0))[:2], saved_pre_rec=pre_r, saved_post_rec=post_r,
-                                   last_gain_ckpt=self.last_gain.get(t, (0, None, 0))[2]))
+                                   last_gain_ckpt=self.last_gain.get(t, (0, None, 0))[2],
+                                   saved_pre_free=pre_f, saved_post_free=post_f))
         return side
 
 
@@ -337,7 +350,8 @@ class _Found:
         :meth:`_may_be_held`: one an earlier segment holds is in the bytes already, and counted again
         by every member after it (6,136 B over where a checkpoint's frame held the first of two
         operands of a product); last in the chain, it is skipped and the others are exact."""
-        for together, release in ((self.together, self.release), (self.together_rec, self.release_rec)):
+        for together, release in ((self.together, self.release), (self.together_rec, self.release_rec),
+                                  (self.together_free, self.release_free)):
             for j, members in together:
                 pre, post = release[(members[0], j)]
                 before = 0
@@ -346,7 +360,7 @@ class _Found:
                 for t in sorted(members, key=lambda t, j=j: self._may_be_held(streams, t, j)):
                     release[(t, j)] = (pre + before, post)
                     before += storage_nbytes(values[streams.nodes[t]])
-        self.together, self.together_rec = [], []
+        self.together, self.together_rec, self.together_free = [], [], []
 
     def _may_be_held(self, streams: Streams, t: int, j: int) -> tuple:
         """How likely side tensor ``t`` is held by a segment before layer ``j``'s (its chain order)."""
