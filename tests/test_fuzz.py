@@ -1338,3 +1338,62 @@ def test_regression_release_splits_have_the_input_go_as_the_backward_figure_does
     assert any(t.saved_pre_free for t in c.side) and (c.fkpost != c.fpost).any()
     every = (3, 4, 5, 7, 8, 9, 10, 11)
     _assert_exact_by_phase(model, x, tm, [every, (every, (3,)), (every, (7,)), (every, (5,)), (3, 4, 5, 6, 7, 8, 9, 10, 11)])
+
+
+# Issue-19 fuzz (run on d13188f, 2026-11-26, eighth session), seed 242778781: 88 B over on every plan. The first layer
+# (pools, a concatenation, a tanh, dead ops) hands the next one the model input itself, unsqueezed: its chain output
+# was counted a storage of its own (a = 96 B) where the static bytes hold it already. A layer whose output is static
+# memory has a = 0 now (LayerMeasurement.out_static), and the next layer's input, which nothing frees, is held in
+# every one of its figures.
+REGRESSION_THE_FIRST_LAYER_HANDS_ON_THE_MODEL_INPUT = Spec(family='mlp', dtype='bfloat16', batch=2, shape=(24,), nodes=(
+    Node(op='pool1d', inputs=(0,), width=0, inplace=''), Node(op='cat', inputs=(0, 1), width=0, inplace=''),
+    Node(op='pool1d', inputs=(2,), width=0, inplace=''), Node(op='tanh', inputs=(1,), width=0, inplace=''),
+    Node(op='pool1d', inputs=(4,), width=0, inplace=''), Node(op='pool1d', inputs=(0,), width=0, inplace=''),
+    Node(op='mul', inputs=(1, 6), width=0, inplace=''), Node(op='bn', inputs=(7,), width=0, inplace='dropout_'),
+    Node(op='cat', inputs=(8, 3), width=0, inplace=''), Node(op='sigmoid', inputs=(9,), width=0, inplace='')),
+    classes=3, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_an_output_that_is_the_model_input_is_static():
+    model, x, tm = _traced(REGRESSION_THE_FIRST_LAYER_HANDS_ON_THE_MODEL_INPUT, 242778781)
+    assert tm.layers[0].costs.out_static and tm.costs.a[0] == 0
+    _assert_exact_by_phase(model, x, tm, [(), (1,), (2,), (3,), (6,), (1, 2), ((4, 7), (4,)),
+                                          ((1, 2, 4, 5, 6, 7), (0, 2, 4, 5, 6))])
+
+
+# Issue-19 fuzz (recorded after the merge of the stream work, replayed on 6cf8ce5), seed 1030206950: 112 B over on four
+# plans, in the recomputation. The first layer (a linear layer) has no chain output: its output is a side tensor whose
+# gradient is a slice of a later concatenation's output gradient, its g. Measured with that gradient injected at its
+# own size, rg counted it, and the kernels added g on top. rg now leaves out a lone side output's injected gradient
+# wherever the layer has no chain output, as it did only where that gradient was laid out as a slice.
+REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IN_RG = Spec(family='mlp', dtype='float64', batch=5, shape=(11,), nodes=(
+    Node(op='linear', inputs=(0,), width=3, inplace=''), Node(op='cat', inputs=(1, 0), width=0, inplace=''),
+    Node(op='cat', inputs=(2, 1), width=0, inplace='mul_'), Node(op='linear', inputs=(3,), width=7, inplace=''),
+    Node(op='linear', inputs=(4,), width=23, inplace=''), Node(op='cat', inputs=(2, 5), width=0, inplace='dropout_'),
+    Node(op='silu', inputs=(0,), width=0, inplace=''), Node(op='cat', inputs=(2, 7), width=0, inplace='')),
+    classes=2, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_rg_leaves_out_a_lone_side_outputs_injected_gradient():
+    model, x, tm = _traced(REGRESSION_A_LONE_SIDE_OUTPUTS_GRADIENT_IN_RG, 1030206950)
+    assert tm.costs.a[0] == 0 < tm.costs.g[0]
+    _assert_exact_by_phase(model, x, tm, [(3, 4), (3, 4, 5), (3, 5), (4,), (), (1,), (2, 4)])
+
+
+# Issue-19 fuzz (recorded after the merge of the stream work, replayed on 6cf8ce5), seed 1002643442: 224 B over on
+# plan (2,), in the recomputation. A side tensor (a product of a BatchNorm output and the input) dies at its last use
+# in the next layer (an addition, then an in-place dropout), which the recomputation runs with its input held: the
+# side tensor's gain there is -696 B with the input held and 0 with the input dying too, and the smaller change of the
+# two was kept. Each way is kept now (SideTensor.last_gain_free and its kin) and taken as the layer's forward is.
+REGRESSION_A_DYING_SIDE_TENSORS_GAIN_BY_HOW_THE_INPUT_IS_HELD = Spec(family='mlp', dtype='float32', batch=6,
+    shape=(29,), nodes=(
+        Node(op='bn', inputs=(0,), width=0, inplace=''), Node(op='mul', inputs=(1, 0), width=0, inplace=''),
+        Node(op='add', inputs=(2, 1), width=0, inplace='dropout_'), Node(op='relu', inputs=(3,), width=0, inplace=''),
+        Node(op='silu', inputs=(4,), width=0, inplace=''), Node(op='mul', inputs=(5, 4), width=0, inplace='')),
+    classes=3, input_requires_grad=True, dropout_p=0.3, kind='')
+
+
+def test_regression_a_dying_side_tensors_gain_is_taken_as_the_readers_input_is_held():
+    model, x, tm = _traced(REGRESSION_A_DYING_SIDE_TENSORS_GAIN_BY_HOW_THE_INPUT_IS_HELD, 1002643442)
+    assert any(t.last_gain_free is not None and t.last_gain_free != t.last_gain for t in tm.costs.side)
+    _assert_exact_by_phase(model, x, tm, [(2,), (), (1,), (1, 2), (3,), (2, 4)])

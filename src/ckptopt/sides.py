@@ -72,7 +72,11 @@ class SideTensor:
         (no save, no checkpoint call, no earlier segment): it dies at its last use inside that layer,
         which runs on after it (a concatenation that does not save it, then a BatchNorm). 0: unknown,
         or no change. This one for a recomputation that stops at the layer's last saved tensor
-        (perhaps before the tensor's last use), with the layer's input held or not: the smallest change.
+        (perhaps before the tensor's last use), with the layer's input held (as ``ChainCosts.f``/``fs``);
+        in files written before ``last_gain_free``, the smaller change of the two.
+    last_gain_free, last_gain_full_free, last_gain_ckpt_free : int or None
+        ``last_gain``, ``last_gain_full`` and ``last_gain_ckpt`` where the layer's input dies at its last use
+        inside it too (as ``ff``/``ffs``/``ffc`` count it: nothing else holds it); None: the same.
     last_gain_full : int or None
         The same for the layer's whole forward (an unwrapped segment's, or a recomputation that runs
         past the layer), at most 0; None: ``last_gain``.
@@ -109,6 +113,9 @@ class SideTensor:
     last_gain_ckpt: int = 0
     saved_pre_free: tuple[int, ...] = ()
     saved_post_free: tuple[int, ...] = ()
+    last_gain_free: int | None = None
+    last_gain_full_free: int | None = None
+    last_gain_ckpt_free: int | None = None
 
     @property
     def grad_bytes(self) -> int:
@@ -166,6 +173,9 @@ class SideTensor:
             out["last_gain_full"] = int(self.last_gain_full)
         if self.last_gain_ckpt:
             out["last_gain_ckpt"] = int(self.last_gain_ckpt)
+        for k in ("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"):
+            if getattr(self, k) is not None:
+                out[k] = int(getattr(self, k))
         return out
 
 
@@ -181,7 +191,7 @@ class SideArrays(NamedTuple):
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
     triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
     ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None); ``sdiec``:
-    its ``last_gain_ckpt``. ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
+    its ``last_gain_ckpt``; ``sdie_f``, ``sdief_f``, ``sdiec_f``: the same with the reader's input dying too. ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
     ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``hasrel``: known per
     side tensor (the last entry: the frame's ``fpre``/``fpost`` and ``fkpre``/``fkpost`` are given).
     """
@@ -216,6 +226,9 @@ class SideArrays(NamedTuple):
     sdie: np.ndarray
     sdief: np.ndarray
     sdiec: np.ndarray
+    sdie_f: np.ndarray
+    sdief_f: np.ndarray
+    sdiec_f: np.ndarray
 
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
@@ -296,6 +309,9 @@ class SideArrays(NamedTuple):
                   [t.last_gain for t in side],
                   [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side],
                   [t.last_gain_ckpt for t in side]]
+        held = arrays[-3:]
+        arrays += [[h[j] if v is None else v for j, v in enumerate(getattr(t, k) for t in side)]
+                   for h, k in zip(held, ("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"))]
         out = []
         for x in arrays:
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -317,7 +333,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
             unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
                                 "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full",
                                 "saved_pre_rec", "saved_post_rec", "last_gain_ckpt", "saved_pre_free",
-                                "saved_post_free"}
+                                "saved_post_free", "last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"}
             if unknown:
                 raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
             try:
@@ -327,7 +343,8 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
                                tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"),
                                tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())),
                                t.get("last_gain_ckpt", 0), tuple(t.get("saved_pre_free", ())),
-                               tuple(t.get("saved_post_free", ())))
+                               tuple(t.get("saved_post_free", ())), t.get("last_gain_free"),
+                               t.get("last_gain_full_free"), t.get("last_gain_ckpt_free"))
             except KeyError as exc:
                 raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
                                    field="side", index=k) from None
@@ -379,8 +396,10 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
         gain, full = t.last_gain, t.last_gain_full
-        for what, v in (("last_gain", gain), ("last_gain_full", full), ("last_gain_ckpt", t.last_gain_ckpt)):
-            if v is None and what == "last_gain_full":
+        frees = (t.last_gain_free, t.last_gain_full_free, t.last_gain_ckpt_free)
+        for what, v in (("last_gain", gain), ("last_gain_full", full), ("last_gain_ckpt", t.last_gain_ckpt),
+                        *zip(("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"), frees)):
+            if v is None and what != "last_gain" and what != "last_gain_ckpt":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v > 0:
                 raise InvalidCosts(f"{where}: {what} {v!r} is not an integer at most 0 (what its last consumer's "
@@ -388,7 +407,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
                               pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
                               None if full is None else int(full), pre_r, post_r, int(t.last_gain_ckpt),
-                              pre_f, post_f))
+                              pre_f, post_f, *(None if v is None else int(v) for v in frees)))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

@@ -102,6 +102,16 @@ def _frame_add(SD, u, x, alone):
 
 
 @njit(cache=True)
+def _input_held(K, i, l, held_l):
+    """Whether layer ``i``'s input is held while its forward runs (``f``, ``fs`` count it; else it dies at its
+    last use inside the layer, ``ff``, ``ffs``): a layer saves it, or, for the segment's first layer ``l``,
+    ``held_l``. A side tensor dying in that layer changes its forward as measured that way."""
+    if i == l:
+        return held_l
+    return K.sout[i - 1] != 0 or K.sin[i] != 0
+
+
+@njit(cache=True)
 def _reads_in(SD, j, lo, hi):
     for q in range(SD.cptr[j], SD.cptr[j + 1]):
         u = SD.cu[q]
@@ -143,6 +153,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     # (with the frame, as bkr; with its own last save, as bf where layer l - 1 saves it: b is bf elsewhere)
     alone = l > 0 and not prev_keeps
     free = alone and unwrapped and K.sout[l - 1] != 0
+    held_l = not (unwrapped and alone and K.sin[l] == 0)  # (an unwrapped segment's first layer: ff, else f)
     trigger = r
     e = l - 1
     partial = False
@@ -176,7 +187,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
             if i <= fend or hold:
                 fadd[i] += sa
         if unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
-            fadd[smax] += SD.sdief[j]
+            fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, held_l) else SD.sdief_f[j]
         if hold:
             for i in range(l, rl + 1):
                 radd[i] += sa
@@ -201,7 +212,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                     if i <= fend or hold:
                         fadd[i] += sa
                 if not hold and smax <= r:  # (it dies inside its last reader)
-                    fadd[smax] += SD.sdief[j]
+                    fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, held_l) else SD.sdief_f[j]
                 if hold:
                     for i in range(rho + 1, r + 1):
                         badd[i] += sa
@@ -211,8 +222,8 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
             else:
                 for i in range(p + 1, fend + 1):
                     fadd[i] += sa
-                if smax <= r:  # (the first pass keeps no saved tensor: it dies inside its last reader)
-                    fadd[smax] += SD.sdiec[j]
+                if smax <= r:  # (the first pass keeps no saved tensor: it dies inside its last reader, a
+                    fadd[smax] += SD.sdiec_f[j]  # layer after the first, whose input dies at its last use too)
                 if p <= e:  # recomputed: a new copy, packed again by every layer that saves it
                     rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, trigger)
                     rend = smax
@@ -223,7 +234,11 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                     if rend == smax and rho < 0:  # (held by nothing: it dies inside its last reader;
                         # a layer that saves it holds it to its backward; one the recomputation runs
                         # whole, not only to its last saved tensor, changes as its whole forward does)
-                        radd[smax] += SD.sdief[j] if smax < e or not partial else SD.sdie[j]
+                        kin = _input_held(K, smax, l, True)
+                        if smax < e or not partial:
+                            radd[smax] += SD.sdief[j] if kin else SD.sdief_f[j]
+                        else:
+                            radd[smax] += SD.sdie[j] if kin else SD.sdie_f[j]
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa

@@ -309,7 +309,7 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
             ff[0] = max(ff[0], f0[0])
             fc[0] = max(fc[0], f0[0])
             ffc[0] = max(ffc[0], f0[0])
-        rg = _rg(layers, side, grad_root)
+        rg = _rg(layers, side, grad_root, grad_store)
         br = [l.costs.b if l.costs.br is None else l.costs.br for l in layers]
         bkr = [(l.costs.b if l.costs.bk is None else l.costs.bk) if l.costs.bkr is None else l.costs.bkr
                for l in layers]
@@ -381,15 +381,20 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
                        max_crossing=max_crossing)
 
 
-def _rg(layers: list[Layer], side: list, grad_root: list[int]) -> list[int]:
+def _rg(layers: list[Layer], side: list, grad_root: list[int], grad_store: list[int]) -> list[int]:
     """Each layer's ``rg``: measured alone, an output gradient its backward uses up before it first
     reads a saved tensor is gone with its storage; in the model a side tensor's pending gradient that
     views the same storage (an addition hands both one gradient, a concatenation slices of one) holds
-    it on, until that side tensor's producer runs its backward (``rgk``)."""
+    it on, until that side tensor's producer runs its backward (``rgk``). A layer with no chain output
+    whose side output's gradient is its ``g`` (a slice of a later storage) leaves that gradient out
+    (``rgl``; the kernels add ``g``: 112 B over in the issue-19 fuzz, tests/test_fuzz.py)."""
     held = {t.grad_view for t in side if t.grad_view is not None and t.grad_view >= 0}
     out = []
     for j, l in enumerate(layers):
         shared = grad_root[j] in held and any(t.grad_view == grad_root[j] and t.producer < j for t in side)
+        if l.costs.rgl is not None and grad_store[j] > 0 and grad_root[j] != j:
+            out.append(l.costs.rgl)
+            continue
         out.append(l.costs.rgk if shared and l.costs.rgk is not None else l.costs.rg)
     return out
 

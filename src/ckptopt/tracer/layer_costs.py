@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 import torch
@@ -46,6 +46,7 @@ class LayerMeasurement:
     fs: int | None = None
     rg: int | None = None
     rgk: int | None = None  # rg where a side tensor's pending gradient holds the output gradient's storage
+    rgl: int | None = None  # rg without a lone side output's gradient (no chain output; taken where g counts it)
     dead: bool = False
     bk: int | None = None  # b with the input held through the backward (set by the tracer)
     bf: int | None = None  # b with the input held by nothing but the layer (set by the tracer)
@@ -66,6 +67,7 @@ class LayerMeasurement:
     side_in_last_gain: tuple[int, ...] = ()  # per side input: the forward peak's change when it dies at its last use
     side_in_last_gain_full: tuple[int, ...] = ()  # ... in the whole forward (not stopped at the last pack)
     side_in_last_gain_ckpt: tuple[int, ...] = ()  # ... in a checkpoint's first pass (saved or not)
+    side_in_last_gain_free: tuple = ()  # per side input: those three with the input dying at its last use too
     side_out_saved: tuple[bool, ...] = ()  # per side output: the layer saves it
     side_in_grad: tuple[int | None, ...] = ()  # per side input: bytes of its gradient's storage (None: none)
     side_in_grad_is_out: tuple[bool, ...] = ()  # ... a view of the chain output's gradient (a concatenation's)
@@ -75,6 +77,7 @@ class LayerMeasurement:
     ga: int | None = None  # bytes of the output's gradient (less than a for a view of a larger storage)
     frame_pre: int | None = None  # b before / from the moment the layer's last saved tensor is released
     frame_post: int | None = None
+    out_static: bool = False  # the output is static memory (the model input handed on): a is 0
     frame_pre_k: int | None = None  # the same where only the frame holds the input (it goes then too, as bkr)
     frame_post_k: int | None = None
     side_in_release: tuple = ()  # per side input: (b before, b from) its last saved reference's release, or None
@@ -100,7 +103,7 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   out_grad_layout: tuple | None = None, main_output_grad: bool = True,
                   side_output_grads: Iterable[bool] = (), hold_out_grad: bool = False,
                   side_out_grad_layout: tuple | None = None,
-                  like: torch.Tensor | None = None) -> LayerMeasurement:
+                  like: torch.Tensor | None = None, static_input: bool = False) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -587,6 +590,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 only = record.get("only_side_out", {})
                 if (y_ptr is None or not main_output_grad) and only.get("storage"):
                     out_main = only.get("grad_bytes", 0)
+                # (a lone side output's injected gradient, where the layer has no chain output: rgl)
+                lone = only.get("grad_bytes", 0) if y_ptr is None and only else None
                 if not plain:
                     out_grads += sum(r.get("grad_bytes", 0) for r in side_injects)
                 pending += side_record.get("pending", 0) + held_record.get("pending", 0)
@@ -673,9 +678,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             return changes[drop]
 
         dying = dying if freeing is not None else []
+
+        def gains(drops: list, fn) -> list:  # per regime: [(held, free) per side input], the layer's input held
+            return list(zip(*[_dying_gains(drops, lambda d, k=k: min(0, fn(d)[k]), len(side_inputs)) for k in (0, 1)]))
         # (in a recomputation that stops at the layer's last saved tensor; in its whole forward)
-        last_gain = _dying_gains(dying, lambda d: min(0, max(change(d)[2:] or change(d)[:2])), len(side_inputs))
-        last_full = _dying_gains(dying, lambda d: min(0, max(change(d)[:2])), len(side_inputs))
+        last_gain = gains(dying, lambda d: change(d)[2:] or change(d)[:2])  # (or dying at its last use)
+        last_full = gains(dying, lambda d: change(d)[:2])
         # ... and in a checkpoint's first pass, which keeps none of the saved tensors: one it saves dies too
         ref_c = [fc, ffc] if packs else ref[:2]
 
@@ -685,17 +693,23 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
             return [v - w for v, w in zip(_forward_pass(*run, keep_saves=False, drop_side=drop)[:2], ref_c)]
 
         dying_c = [k for k, last in enumerate(side_last) if last] if freeing is not None else []
-        last_ckpt = _dying_gains(dying_c, lambda d: min(0, max(change_c(d))), len(side_inputs))
+        last_ckpt = gains(dying_c, change_c)
 
     sout = y_ptr is not None and y_ptr in saved
+    # an output that is static memory (the model input handed on, a parameter) is in the static bytes
+    # already: no storage of its own (out_static; the next layer's input never dies)
+    out_static = y_ptr is not None and (y_ptr in static_ptrs | param_ptrs | buffer_ptrs
+                                        or (leaf_input and y_ptr == x_ptr))
+    a_own = 0 if out_static else a
     unpack_gain = max(0, first_unpack[0] - backward_start - pending) if first_unpack else 0
     # a side output that is the input itself (a same-dtype cast of a residual crossing on to later
     # layers) carries that storage from here: counted once, as the side tensor
     sin = x_ptr is not None and x_ptr in saved and x_ptr != y_ptr and x_ptr not in side_y_ptrs
     side_keys = set(side_ptrs) | set(side_y_ptrs)
     other = set(saved) - param_ptrs - buffer_ptrs - cast_ptrs - static_ptrs - {x_ptr, y_ptr} - side_keys
-    return LayerMeasurement(
-        a=int(a),
+    measured = LayerMeasurement(
+        a=int(a_own),
+        out_static=bool(out_static),
         p=int(param_bytes),
         sin=bool(sin),
         sout=bool(sout),
@@ -706,9 +720,10 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         ffs=int(last_pack[1] - start) if last_pack is not None else 0,
         fc=fc,
         ffc=ffc,
-        side_in_last_gain=tuple(int(g) for g in last_gain),
-        side_in_last_gain_full=tuple(int(g) for g in last_full),
-        side_in_last_gain_ckpt=tuple(int(g) for g in last_ckpt),
+        side_in_last_gain=tuple(int(g[0]) for g in last_gain),
+        side_in_last_gain_full=tuple(int(g[0]) for g in last_full),
+        side_in_last_gain_ckpt=tuple(int(g[0]) for g in last_ckpt),
+        side_in_last_gain_free=tuple((int(a[1]), int(b[1]), int(c[1])) for a, b, c in zip(last_gain, last_full, last_ckpt)),
         b=int(peaks[0 if keep_input else 1] - out_grads - pending),
         bf=int(peaks[1] - out_grads - pending),
         bk=int(peaks[2] - out_grads - pending),
@@ -727,8 +742,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         # gone in the model too, where the kernels add g - a back (rb), so rg may come out below 0:
         # taken as 0 (Llama-3-8B's width: the key projection's gradient), never under. rgk keeps it,
         # storage and all (a side tensor's pending gradient views it: the tracer picks, chain._rg)
-        rg=int(max(0, unpack_gain + a - (out_main or ga))) if first_unpack else int(a),
-        rgk=int(unpack_gain + a - (0 if first_unpack[1] else out_main or ga)) if first_unpack else int(a),
+        rg=int(max(0, unpack_gain + a_own - (out_main or ga))) if first_unpack else int(a_own),
+        rgk=int(unpack_gain + a_own - (0 if first_unpack[1] else out_main or ga)) if first_unpack else int(a_own),
+        rgl=None if lone is None else int(max(0, unpack_gain - lone)) if first_unpack else 0,
         ga=int(ga),
         dead=bool(dead_packs),
         holds=bool(kept) and not (sin or sout or other),
@@ -752,6 +768,11 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         static_in_saved=tuple(k is not None and k in saved for k in static_keys),
         static_in_release=tuple(static_release),
     )
+    if static_input:  # nothing frees a static input: every figure is the one with it held
+        m = measured
+        measured = replace(m, bf=m.b, bk=m.b, bkr=m.br, bkrt=m.brt, ff=m.f, ffs=m.fs, ffc=m.fc,
+                           frame_pre_k=m.frame_pre, frame_post_k=m.frame_post, side_in_release_free=())
+    return measured
 
 
 def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: Iterable[torch.Tensor] = ()) -> int:

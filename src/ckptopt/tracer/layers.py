@@ -137,7 +137,8 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         if single_output:
             y = values[model_output]
             loss_layer = WithLoss(None, loss_fn)
-            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout))
+            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout),
+                              static_input=bool(layers and layers[-1].costs.out_static))
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 forward_flops(loss_layer, [y])))
         grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
@@ -221,7 +222,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared, side_output_grads=side_out_grad)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
-                             hold_out_grad=hold_out, side_out_grad_layout=side_layout, **kw)
+                             hold_out_grad=hold_out, side_out_grad_layout=side_layout,
+                             static_input=bool(previous is not None and previous.out_static), **kw)
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
@@ -253,10 +255,12 @@ class _Found:
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         split = []
-        for t, gain, full, ckpt in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain,
-                                       m.side_in_last_gain_ckpt or [0] * len(io.side_in)):
-            if gain or full or ckpt:
-                self.last_gain[t] = (gain, full, ckpt)
+        for t, gain, full, ckpt, free in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain,
+                                             m.side_in_last_gain_ckpt or [0] * len(io.side_in),
+                                             m.side_in_last_gain_free or [None] * len(io.side_in)):
+            free = tuple(free) if free is not None else (gain, full, ckpt)  # (the input dying at its last use too)
+            if gain or full or ckpt or any(free):
+                self.last_gain[t] = (gain, full, ckpt) + free
         split_rec, split_free = [], []
         none = [None] * len(io.side_in)
         for t, saved, rel, rec, free in zip(io.side_in, m.side_in_saved, m.side_in_release or none,
@@ -326,6 +330,9 @@ class _Found:
                              if pre and all(r is not None for r in rec) else ((), ()))
             if (pre_r, post_r) == (pre, post):
                 pre_r, post_r = (), ()
+            gains = self.last_gain.get(t, (0, None, 0))
+            # (with the reader's input dying at its last use too: None where the same)
+            free_gains = [None if len(gains) < 6 or g == h else g for g, h in zip(gains[3:] or (0, 0, 0), gains)]
             free = [self.release_free.get((t, u)) for u in savers]
             pre_f, post_f = ((tuple(int(r[0]) for r in free), tuple(int(r[1]) for r in free))
                              if pre and all(r is not None for r in free) else ((), ()))
@@ -334,8 +341,9 @@ class _Found:
             side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
                                    max(grad, own) if grad else 0, node.name, view, pre, post,
                                    gby if gby != tuple(streams.consumers[t]) else (),
-                                   *self.last_gain.get(t, (0, None, 0))[:2], saved_pre_rec=pre_r, saved_post_rec=post_r,
-                                   last_gain_ckpt=self.last_gain.get(t, (0, None, 0))[2],
+                                   *gains[:2], saved_pre_rec=pre_r, saved_post_rec=post_r, last_gain_ckpt=gains[2],
+                                   last_gain_free=free_gains[0], last_gain_full_free=free_gains[1],
+                                   last_gain_ckpt_free=free_gains[2],
                                    saved_pre_free=pre_f, saved_post_free=post_f))
         return side
 
