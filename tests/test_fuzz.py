@@ -1397,3 +1397,54 @@ def test_regression_a_dying_side_tensors_gain_is_taken_as_the_readers_input_is_h
     model, x, tm = _traced(REGRESSION_A_DYING_SIDE_TENSORS_GAIN_BY_HOW_THE_INPUT_IS_HELD, 1002643442)
     assert any(t.last_gain_free is not None and t.last_gain_free != t.last_gain for t in tm.costs.side)
     _assert_exact_by_phase(model, x, tm, [(2,), (), (1,), (1, 2), (3,), (2, 4)])
+
+
+# Issue-19 fuzz (recorded after the merge of the stream work, replayed on 6cf8ce5), seed 507100533: 120 B over on six
+# plans, in the recomputation of a layer (a dead concatenation of two side tensors, a dropout) where both die. Each
+# alone saves as much as both (-128 B), so one gets it all: the first in order, the LeakyReLU output its producer saves,
+# which a plan holding it lets live, while the concatenation made in the segment died alone and counted nothing. Of
+# equal gains, the side tensor a plan is least likely to hold elsewhere gets them first now (_dying_gains(rank=...)).
+REGRESSION_EQUAL_GAINS_GO_TO_THE_TENSOR_LEAST_LIKELY_HELD = Spec(family='conv', dtype='bfloat16', batch=2,
+    shape=(5, 4, 4), nodes=(
+        Node(op='conv3', inputs=(0,), width=3, inplace='relu_'), Node(op='cat', inputs=(1, 0), width=0, inplace=''),
+        Node(op='cat', inputs=(0, 2), width=0, inplace=''), Node(op='avgpool', inputs=(3,), width=0, inplace=''),
+        Node(op='gelu', inputs=(4,), width=0, inplace=''), Node(op='cat', inputs=(4, 5), width=0, inplace=''),
+        Node(op='cat', inputs=(0, 3), width=0, inplace=''), Node(op='cat', inputs=(3, 1), width=0, inplace=''),
+        Node(op='dropout', inputs=(7,), width=0, inplace='')), classes=1, input_requires_grad=False, dropout_p=0.3,
+    kind='')
+
+
+def test_regression_equal_dying_gains_go_to_the_side_tensor_least_likely_held():
+    model, x, tm = _traced(REGRESSION_EQUAL_GAINS_GO_TO_THE_TENSOR_LEAST_LIKELY_HELD, 507100533)
+    by_name = {t.name: t for t in tm.costs.side}
+    assert by_name["cat_1"].last_gain < 0 == by_name["relu_"].last_gain
+    _assert_exact_by_phase(model, x, tm, [(1, 2, 6), (5, 6, 7), (5,), (), (2, 4, 6)])
+
+
+def test_equal_dying_gains_are_ordered_by_rank():
+    from ckptopt.tracer.layer_series import _dying_gains
+
+    table = {(0,): -128, (1,): -128, (0, 1): -128}
+    assert _dying_gains([0, 1], lambda s: table[s], 2) == [-128, 0]
+    assert _dying_gains([0, 1], lambda s: table[s], 2, rank=[(2, 0), (1, -2)]) == [0, -128]
+    assert _dying_gains([0, 1], lambda s: {(0,): -100, (1,): -128, (0, 1): -128}[s], 2, rank=[0, 1]) == [0, -128]
+
+
+# Issue-19 fuzz (run on 0679e9c, 2026-11-27, ninth session), seed 721203063: 6,152 B under (7.6%) on plans whose
+# checkpointed segment starts at a concatenation that saves nothing, before a 1x1 convolution that saves the
+# concatenation's recomputed output. That convolution lets the checkpoint's frame go (with a BatchNorm output the
+# frame holds) at the moment its recomputed input dies: two releases at one moment, each priced by its own split, so
+# each saw the other already gone after it and the peak before both missed one. A recomputed copy whose split is the
+# frame's is let go with the frame now, one release (simulator/streams.py::_with_frame).
+REGRESSION_A_RECOMPUTED_COPY_GOES_WITH_THE_FRAME = Spec(family='conv', dtype='float32', batch=6, shape=(5, 8, 8),
+    nodes=(
+        Node(op='bn', inputs=(0,), width=0, inplace='relu_module'), Node(op='maxpool', inputs=(1,), width=0, inplace=''),
+        Node(op='add', inputs=(1, 0), width=0, inplace='mul_'), Node(op='conv3', inputs=(3,), width=4, inplace=''),
+        Node(op='cat', inputs=(4, 0), width=0, inplace=''), Node(op='conv1', inputs=(5,), width=5, inplace=''),
+        Node(op='mul', inputs=(6, 3), width=0, inplace=''), Node(op='cat', inputs=(5, 7), width=0, inplace='')),
+    classes=1, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_a_recomputed_copy_released_with_the_frame_is_one_release():
+    model, x, tm = _traced(REGRESSION_A_RECOMPUTED_COPY_GOES_WITH_THE_FRAME, 721203063)
+    _assert_exact_by_phase(model, x, tm, [(3, 7, 9), (3, 7), (3, 6, 7, 9), (1, 3, 7, 9), (2, 7, 9), (3,), ()])

@@ -153,11 +153,14 @@ def _full(c, checkpoints, stored):
         """What x bytes present until a moment of a layer's backward add to its peak."""
         return max(pre + x, post) - max(pre, post)
 
-    def side_released(i, rec_side=(), alone=False):
+    def side_released(i, rec_side=(), alone=False, frame_layer=False):
         """(tokens let go mid-way through layer i's backward, what they add to its peak); ``alone``:
         nothing before layer i holds its input (the first layer of its segment): its splits then
-        have the input go as its backward figure has it (with the frame, or its own last save)."""
+        have the input go as its backward figure has it (with the frame, or its own last save);
+        ``frame_layer``: layer i lets its checkpointed segment's frame go (its first saving layer)."""
         tokens, add, frame = set(), 0, 0
+        fsplit = ((int(c.fkpre[i]), int(c.fkpost[i])) if alone else (int(c.fpre[i]), int(c.fpost[i]))) \
+            if has_frame else None
         for j, t in enumerate(side):
             if release[j] == i:
                 tokens.add(f"s{j}")
@@ -168,13 +171,23 @@ def _full(c, checkpoints, stored):
         for tok, first in rec_side:
             if first == i:
                 tokens.add(tok)
-                add += own_gain(int(tok[2:]), i, size[tok], rec=True)
+                if frame_layer and fsplit is not None and rec_split(int(tok[2:]), i) == fsplit:
+                    frame += size[tok]  # (a recomputed copy that goes at the frame's moment: one release)
+                else:
+                    add += own_gain(int(tok[2:]), i, size[tok], rec=True)
         if frame and has_frame:
-            pre, post = (c.fkpre[i], c.fkpost[i]) if alone else (c.fpre[i], c.fpost[i])
-            add += gain(frame, int(pre), int(post))
+            add += gain(frame, *fsplit)
         elif frame:
             add += frame
         return tokens, add
+
+    def rec_split(j, u):
+        """A recomputed copy's release split at its saver ``u`` (None: not known)."""
+        t = side[j]
+        if not t.saved_pre:
+            return None
+        q = t.saved_by.index(u)
+        return (t.saved_pre_rec[q], t.saved_post_rec[q]) if t.saved_pre_rec else (t.saved_pre[q], t.saved_post[q])
 
     def own_gain(j, u, x, rec=False, free=False):
         t = side[j]
@@ -335,7 +348,8 @@ def _full(c, checkpoints, stored):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"} | side_backward(i)
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
-            gone, add = side_released(i, rec_side if not unwrapped[k] else (), i == l and l > 0 and not prev_keeps)
+            gone, add = side_released(i, rec_side if not unwrapped[k] else (), i == l and l > 0 and not prev_keeps,
+                                      not unwrapped[k] and i == first_saving)
             bi = b_first if i == l else bseg[i]
             if not unwrapped[k] and i == top:  # (from its first read on)
                 bi = brt[i] if i > l or l == 0 or prev_keeps else bkrt[l]

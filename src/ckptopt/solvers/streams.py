@@ -131,7 +131,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         framek[k] = fk - frame0
         if framek[k] != 0:
             anyframe = True
-    tf = 2 * w + fsv - l if anyframe else -1  # the backward term of the layer that lets the frame go
+    tf = 2 * w + fsv - l if anyframe or frame0 != 0 else -1  # the backward term of the layer that lets the frame go
     # the terms, merged where their coefficients agree
     G = 0
     for t in range(3 * w):
@@ -145,7 +145,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
                 pre, post = 0, 0
             top = pre if pre > post else post
             # + max(pre + x, post) - top, x the frame's bytes: (pre - top + x) and (post - top)
-            gbase[G] = v + pre - top
+            gbase[G] = v + pre - top + frame0  # (frame0: recomputed copies let go with the frame)
             for k in range(nb):
                 gcoef[G, k] = coef[k, t] + framek[k]
             G += 1

@@ -17,8 +17,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..torch_utils import check_module, clone_layout, is_fake, no_lasting_state, resolve_device, tensor_leaves
+from ..torch_utils import check_module, clone_layout, is_fake, no_lasting_state, resolve_device
 from ..tracker import StorageTracker, real_storage, storage_bytes, storage_key
+from .flops import forward_flops
 from .layer_grads import InjectGrad, _autocast_weight_casts, _Packed, _Pending, _SharedGrad
 from .layer_series import (_all_released_at, _backward_peaks, _call_layer, _dying_gains, _forward_pass,
                            _forward_peaks, _fresh_inputs, _gone_at, _held_timelines, _key, _list_input_copy,
@@ -103,7 +104,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                   out_grad_layout: tuple | None = None, main_output_grad: bool = True,
                   side_output_grads: Iterable[bool] = (), hold_out_grad: bool = False,
                   side_out_grad_layout: tuple | None = None,
-                  like: torch.Tensor | None = None, static_input: bool = False) -> LayerMeasurement:
+                  like: torch.Tensor | None = None, static_input: bool = False,
+                  side_rank: Iterable = ()) -> LayerMeasurement:
     """Measure the chain-model quantities of one layer in isolation.
 
     The module runs forward and backward once, in its current mode, on a
@@ -159,9 +161,9 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         ``side_pending_held``: that gradient's storage outlives the sum (another tensor's gradient
         views it too): held through the backward.
         ``example_input`` may then be None: the layer reads no chain tensor.
-        ``side_last``: the layer is that input's last reader; where it does not save it and it is the
-        only such input, the forward runs once more with it dying at its last use inside the layer
-        (``side_in_last_gain``: what the forward peak changes by, at most 0).
+        ``side_last``: the layer is that input's last reader: the forward runs again with it (each set of
+        such inputs) dying at its last use inside (``side_in_last_gain``: the change, at most 0);
+        ``side_rank``: per side input, how likely a plan holds it elsewhere (of equal gains, lowest first).
     side_outputs : int, default 0
         The layer returns ``(y, *side)`` (``(*side)`` when not ``main_output``): side tensors
         later layers read. Their gradients are injected with the chain output's and left
@@ -680,7 +682,8 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         dying = dying if freeing is not None else []
 
         def gains(drops: list, fn) -> list:  # per regime: [(held, free) per side input], the layer's input held
-            return list(zip(*[_dying_gains(drops, lambda d, k=k: min(0, fn(d)[k]), len(side_inputs)) for k in (0, 1)]))
+            return list(zip(*[_dying_gains(drops, lambda d, k=k: min(0, fn(d)[k]), len(side_inputs),
+                                           rank=list(side_rank) or None) for k in (0, 1)]))
         # (in a recomputation that stops at the layer's last saved tensor; in its whole forward)
         last_gain = gains(dying, lambda d: change(d)[2:] or change(d)[:2])  # (or dying at its last use)
         last_full = gains(dying, lambda d: change(d)[:2])
@@ -773,28 +776,3 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
         measured = replace(m, bf=m.b, bk=m.b, bkr=m.br, bkrt=m.brt, ff=m.f, ffs=m.fs, ffc=m.fc,
                            frame_pre_k=m.frame_pre, frame_post_k=m.frame_post, side_in_release_free=())
     return measured
-
-
-def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: Iterable[torch.Tensor] = ()) -> int:
-    """Forward compute of a layer: FLOPs of the ops ``torch.utils.flop_counter``
-    has a formula for (matmuls, convolutions, attention), plus one per output
-    element of every other op that is not a view (elementwise ops, norms,
-    pooling), so that layers without a matmul do not look free to re-run."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
-
-    class _Elementwise(TorchDispatchMode):
-        total = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func._overloadpacket not in flop_registry and not func.is_view:
-                _Elementwise.total += sum(t.numel() for t in tensor_leaves(out))
-            return out
-
-    _Elementwise.total = 0
-    # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
-    # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
-    with torch.enable_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
-        module(*[a.detach().clone() for a in args], *static_inputs)
-    return int(counter.get_total_flops()) + int(_Elementwise.total)

@@ -301,22 +301,27 @@ def _forward_pass(module: nn.Module, freeing: nn.Module | None, example_input: t
     return int(held - start), int(free - start), int(pheld - start), int(pfree - start)
 
 
-def _dying_gains(dying: list[int], run_gain, n: int, cap: int = 3) -> list[int]:
+def _dying_gains(dying: list[int], run_gain, n: int, cap: int = 3, rank: list | None = None) -> list[int]:
     """Per side input, what its dying at its last use inside the layer adds to the forward peak (at most
     0), such that for every set of them that dies the sum is at least the measured change: the peaks'
     changes are not additive (two dying where one alone changes nothing). ``run_gain(S)``: the change
     with the side inputs ``S`` dying together. Up to ``cap`` dying: every set is measured and each
     input, most gain first, gets the least that keeps every set with it and earlier ones covered
     (``g_j = max over S' of gain(S' + j) - sum(g_i, i in S')``: exact for the whole set when it saves at
-    most the sum of the parts). More: each dies alone and only the largest gain counts."""
+    most the sum of the parts). More: each dies alone and only the largest gain counts. ``rank``: per side
+    input, how likely a plan holds it elsewhere (lower first): of equal gains, the least likely held comes
+    first, as the one that dies alone the most (a tensor its producer saves after one made in the segment)."""
     out = [0] * n
     single = {k: run_gain((k,)) for k in dying}
+
+    def key(j: int) -> tuple:
+        return single[j], (rank[j] if rank else 0), j
     if len(dying) > cap or len(dying) < 2:
         if single:
-            k = min(single, key=lambda j: (single[j], j))
+            k = min(single, key=key)
             out[k] = single[k]
         return out
-    order = sorted(dying, key=lambda j: (single[j], j))
+    order = sorted(dying, key=key)
     sets = {(k,): single[k] for k in dying}
     for size in range(2, len(order) + 1):
         for combo in itertools.combinations(order, size):

@@ -121,7 +121,8 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     layers: list[Layer] = []
     with fake_mode, torch.enable_grad():
         for j, b in enumerate(built):
-            m = _measure(j, b, streams, layers[-1].costs if layers else None, values, param_owner, len(built))
+            m = _measure(j, b, streams, layers[-1].costs if layers else None, values, param_owner, len(built),
+                         rank=[found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
             found.note(j, b, streams.io[j], m)
             name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
             io = streams.io[j]
@@ -166,7 +167,8 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             if (shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad)
                     or hold_out):
                 m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending, out_grad, side_out_grad, hold_out, side_layout)
+                             shared, held, layout, pending, out_grad, side_out_grad, hold_out, side_layout,
+                             [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
                 again = True
@@ -197,8 +199,9 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
              out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
-             side_layout: tuple | None = None) -> LayerMeasurement:
-    """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`)."""
+             side_layout: tuple | None = None, rank: list | None = None) -> LayerMeasurement:
+    """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`); ``rank``: per side input, how
+    likely a plan holds it elsewhere (the order its dying gains are given in)."""
     io = streams.io[j]
     x = values[b.x_node] if b.x_node is not None else None
     # a tied or reused weight whose gradient a later layer already created
@@ -220,7 +223,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                                     [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
                       side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
-                      shared_out_grads=shared, side_output_grads=side_out_grad)
+                      shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank or ())
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
                              hold_out_grad=hold_out, side_out_grad_layout=side_layout,
                              static_input=bool(previous is not None and previous.out_static), **kw)
