@@ -191,7 +191,8 @@ class SideArrays(NamedTuple):
     those of its own side outputs); ``rside[t]``: side gradients live when layer t's backward
     triggers a recomputation (beyond its own output gradients, which its ``rg`` counts);
     ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None); ``sdiec``:
-    its ``last_gain_ckpt``; ``sdie_f``, ``sdief_f``, ``sdiec_f``: the same with the reader's input dying too. ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
+    its ``last_gain_ckpt``; ``sdie_f``, ``sdief_f``, ``sdiec_f``: the same with the reader's input dying too.
+    ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
     ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``hasrel``: known per
     side tensor (the last entry: the frame's ``fpre``/``fpost`` and ``fkpre``/``fkpost`` are given).
     """

@@ -92,9 +92,10 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
     return icpt, slope
 
 
+# the side-tensor fields that scale with the batch
 _SIDE_SIZES = ("bytes", "grad", "saved_pre", "saved_post", "saved_pre_rec", "saved_post_rec", "saved_pre_free",
                "saved_post_free", "last_gain", "last_gain_full", "last_gain_ckpt",
-               "last_gain_free", "last_gain_full_free", "last_gain_ckpt_free")  # the side-tensor fields that scale with the batch
+               "last_gain_free", "last_gain_full_free", "last_gain_ckpt_free")
 
 
 def _affine_side(s1: list, s2: list, b1: int, b2: int) -> tuple[list, list] | None:

@@ -252,20 +252,22 @@ class _Found:
     # (saving layer, side tensors it lets go at one moment: the same split)
     together_rec: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
     together_free: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
-    last_gain: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+    last_gain: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # side tensor -> what its last reader's forward peak changes by when it dies at its last use there
-    # (in every way it runs, and in its whole forward)
+    # (to its last saved tensor, in its whole forward, in a checkpoint's first pass; with the reader's input
+    # held, then dying too)
 
     def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
         split = []
-        for t, gain, full, ckpt, free in zip(io.side_in, m.side_in_last_gain, m.side_in_last_gain_full or m.side_in_last_gain,
+        none = [None] * len(io.side_in)
+        for t, gain, full, ckpt, free in zip(io.side_in, m.side_in_last_gain,
+                                             m.side_in_last_gain_full or m.side_in_last_gain,
                                              m.side_in_last_gain_ckpt or [0] * len(io.side_in),
-                                             m.side_in_last_gain_free or [None] * len(io.side_in)):
+                                             m.side_in_last_gain_free or none):
             free = tuple(free) if free is not None else (gain, full, ckpt)  # (the input dying at its last use too)
             if gain or full or ckpt or any(free):
                 self.last_gain[t] = (gain, full, ckpt) + free
         split_rec, split_free = [], []
-        none = [None] * len(io.side_in)
         for t, saved, rel, rec, free in zip(io.side_in, m.side_in_saved, m.side_in_release or none,
                                             m.side_in_release_rec or m.side_in_release or none,
                                             m.side_in_release_free or m.side_in_release or none):
