@@ -182,6 +182,10 @@ def test_segment_terms_are_the_terms_of_segment_peak_add(c):
 def test_segments_scored_for_every_mask_at_once(c):
     """``_segment_masks`` (every state mask at once, each side tensor's addends taken apart) gives
     ``_segment``'s (checkpoint, peak, held bytes, next mask) for every mask, every segment, kind and flag."""
+    _assert_masks_as_one_by_one(c)
+
+
+def _assert_masks_as_one_by_one(c):
     import numpy as np
 
     from ckptopt.solvers.streams import _context, _segment, _segment_masks
@@ -267,3 +271,26 @@ def test_budget_solver_on_a_large_front_is_bounded():
     assert recompute(c, plan.checkpoints, plan.stored) < recompute(c, lowest.checkpoints) / 4
     with pytest.raises(InfeasibleBudget, match="210295600"):
         solve(c, "budget", budget=lowest.peak_bytes - 1)
+
+
+def test_a_recomputed_copy_let_go_with_the_frame_is_one_release():
+    """A side tensor the checkpoint's frame holds (made before the segment) and a recomputed copy the segment's
+    first saving layer lets go at the frame's moment (the same split) are one release, ``max(pre + both, post)``:
+    the simulator, the reference and the exact programs agree. Priced apart, each saw the other gone before its
+    release (a random chain model 6,144 B under, tests/test_fuzz.py)."""
+    n = 4
+    c = ChainCosts(a=[4] * n, p=[0] * n, sin=[False] * n, sout=[False] * n, m=[0, 0, 1, 0], f=[4] * n,
+                   b=[4, 4, 40, 4], fpre=[0, 0, 10, 0], fpost=[0, 0, 30, 0],
+                   side=[SideTensor(15, 0, (2,), (2,), 0, saved_pre=(10,), saved_post=(30,)),
+                         SideTensor(15, 1, (2,), (2,), 0, saved_pre=(10,), saved_post=(30,))])
+    sim = simulate(c, (1, 3))
+    assert (sim.phase, sim.layer) == ("backward", 2)
+    assert sim.peak_bytes == reference_peak(c, (1, 3))
+    for p, s in plans(n):
+        assert simulate(c, p, s).peak_bytes == reference_peak(c, p, s), (p, s)
+    value, ck, st = streams.lowest_peak(c, allow_stored=True)
+    assert value + c.static == min(simulate(c, p, s).peak_bytes for p, s in plans(n))
+    _assert_masks_as_one_by_one(c)  # (the mask programs carry the copy in the frame's term)
+    alone = ChainCosts.from_dict({**c.to_dict(), "side": [c.side[1].to_dict()]})  # (the copy the frame's only bytes)
+    assert simulate(alone, (1, 3)).peak_bytes == reference_peak(alone, (1, 3))
+    _assert_masks_as_one_by_one(alone)

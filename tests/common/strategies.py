@@ -136,4 +136,13 @@ def side_costs(draw, max_n: int = 9, max_value: int = 100):
         if draw(st.booleans()):  # ... where only the frame holds the layer's input
             d["layers"]["fkpre"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
             d["layers"]["fkpost"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+        # a saved side tensor let go at the frame's moment: its split is the frame's (one release)
+        split = [(u, t.saved_pre_rec or t.saved_pre, t.saved_post_rec or t.saved_post, q)
+                 for t in side if t.saved_pre for q, u in enumerate(t.saved_by)]
+        if split and draw(st.booleans()):
+            u, pre, post, q = draw(st.sampled_from(split))
+            for k in ("fpre", "fkpre") if "fkpre" in d["layers"] else ("fpre",):
+                d["layers"][k][u] = pre[q]
+            for k in ("fpost", "fkpost") if "fkpost" in d["layers"] else ("fpost",):
+                d["layers"][k][u] = post[q]
     return ChainCosts.from_dict(d)
