@@ -637,10 +637,12 @@ def measure_layer(module: nn.Module, example_input: torch.Tensor | None, input_r
                 frame_k = _split(_relative_series(rec_timeline, k0, backward_start, input_bytes, released, alive,
                                                   alive_input, False, out_grads + pending, gone=rec_gones[1]),
                                  k0, _gone_at(released_keys, alive_keys, None))
-                series_f = _relative_series(timeline, k0, backward_start, input_bytes, released, alive,
-                                            alive_input, False, out_grads + pending) if keep_input else series
-                side_release_free = [(_split(series_f, k0, _gone_at(released_keys, alive_keys, key))
-                                      if alive_keys.get(key) else None) for key in side_ptrs] if keep_input else []
+                side_release_free = []  # (the same as side_release where b already has the input go)
+                if keep_input:
+                    series_f = _relative_series(timeline, k0, backward_start, input_bytes, released, alive,
+                                                alive_input, False, out_grads + pending)
+                    side_release_free = [(_split(series_f, k0, _gone_at(released_keys, alive_keys, key))
+                                          if alive_keys.get(key) else None) for key in side_ptrs]
                 # ... and in a recomputed segment, where the recomputed copy goes with the last node
                 # that read it (before the engine reduces that node's gradients: a bias's sum)
                 side_release_rec = [(_split(rec_series, k0, _gone_at(rec_gone, alive_keys, key))
