@@ -32,6 +32,7 @@ profile runs ``CKPTOPT_FUZZ_N`` (default 400) fresh random models::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -1448,3 +1449,27 @@ REGRESSION_A_RECOMPUTED_COPY_GOES_WITH_THE_FRAME = Spec(family='conv', dtype='fl
 def test_regression_a_recomputed_copy_released_with_the_frame_is_one_release():
     model, x, tm = _traced(REGRESSION_A_RECOMPUTED_COPY_GOES_WITH_THE_FRAME, 721203063)
     _assert_exact_by_phase(model, x, tm, [(3, 7, 9), (3, 7), (3, 6, 7, 9), (1, 3, 7, 9), (2, 7, 9), (3,), ()])
+
+
+# Issue-19 fuzz (recorded on 0679e9c, left on 1253d47), seed 706591006: 20 B over on eight plans. A checkpointed
+# segment starts at a concatenation that saves nothing; the next layer (a linear layer) saves the concatenation's
+# recomputed copy and lets the frame go. In its backward the copy dies when the node that read it returns, the engine
+# then sums the bias gradient, then the frame lets the checkpoint go, then the concatenation's two gradients are
+# summed. The checkpoint was counted held through the whole of that backward (38 B over), and the copy and the frame
+# priced one by one would each have seen the other gone (42 B under). The checkpoint goes mid-way through that layer
+# now (KernelArrays.ckf), and the frame and the recomputed copies let go in one layer are one sequence of releases
+# (simulator/streams.py::_joint_add).
+REGRESSION_THE_FRAME_AND_A_RECOMPUTED_COPY_ARE_ONE_SEQUENCE = Spec(family='mlp', dtype='bfloat16', batch=2, shape=(11,),
+    nodes=(
+        Node(op='linear', inputs=(0,), width=18, inplace='relu_'), Node(op='cat', inputs=(1, 0), width=0, inplace=''),
+        Node(op='linear', inputs=(2,), width=19, inplace=''), Node(op='cat', inputs=(3, 2), width=0, inplace=''),
+        Node(op='relu', inputs=(4,), width=0, inplace=''), Node(op='gelu', inputs=(5,), width=0, inplace='')),
+    classes=4, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+@pytest.mark.parametrize("batch, dtype", [(2, "bfloat16"), (4, "float32")])  # (at batch 4 that layer peaks)
+def test_regression_the_frame_and_a_recomputed_copy_let_go_in_one_layer_are_one_sequence(batch, dtype):
+    spec = dataclasses.replace(REGRESSION_THE_FRAME_AND_A_RECOMPUTED_COPY_ARE_ONE_SEQUENCE, batch=batch, dtype=dtype)
+    model, x, tm = _traced(spec, 706591006)
+    assert tm.costs.kernel_arrays.ckf[1] < 0
+    _assert_exact_by_phase(model, x, tm, [(1, 7), (1, 3, 4), (1, 4), (1,), (), (2,), (1, 3, 6, 7)])

@@ -260,6 +260,9 @@ class KernelArrays(NamedTuple):
     ``qbt``, ``qbkt`` ``qbr``, ``qbkr`` with ``brt``, ``bkrt``: the backward term of a checkpointed
               segment's last saving layer, from its first read of a saved tensor on
     ``rbp``   ``rb`` with ``rgp``: the part of that layer's backward before that read
+    ``ckf``   what a checkpointed segment starting at i changes in the backward term of its first saving
+              layer when that is not i: the frame lets the checkpoint go mid-way through it (at its last
+              saved tensor's release, ``fpre``/``fpost``): ``max(pre + ck, post) - max(pre, post) - ck``
     ``ff``    ``f`` with the input dying at its last use (an unwrapped segment's first layer whose
               input nothing else holds); ``qf`` and ``qs`` take ``ff``/``ffs`` where
               nothing holds the layer's input
@@ -297,6 +300,7 @@ class KernelArrays(NamedTuple):
     qbt: np.ndarray
     qbkt: np.ndarray
     rbp: np.ndarray
+    ckf: np.ndarray
 
     @classmethod
     def of(cls, *arrays: np.ndarray) -> "KernelArrays":
@@ -718,7 +722,7 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z, q, q, z)
+            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z, q, q, z, z)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -757,9 +761,17 @@ class ChainCosts:
         qbf = qb - b + np.where(sout_prev > 0, self._fields["bf"], b)  # b is bf where i-1 saves nothing
         qbr = qb - b + self._fields["br"]
         qbkr = qb - b + self._fields["bkr"]
+        ckf = np.zeros(n, dtype=np.int64)
+        if "fpre" in self._fields:  # (the first saving layer u after l; unknown splits: held throughout)
+            pre, post, u = self._fields["fpre"], self._fields["fpost"], n
+            for l in range(n - 1, 0, -1):
+                if saves[l]:
+                    u = l
+                elif u < n:
+                    ckf[l] = max(pre[u] + a_prev[l], post[u]) - max(pre[u], post[u]) - a_prev[l]
         return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
                                qbf, qbr, qbkr, ff, self._fields["fc"], qb - b + self._fields["brt"],
-                               qb - b + self._fields["bkrt"], rbp)
+                               qb - b + self._fields["bkrt"], rbp, ckf)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

@@ -153,14 +153,22 @@ def _full(c, checkpoints, stored):
         """What x bytes present until a moment of a layer's backward add to its peak."""
         return max(pre + x, post) - max(pre, post)
 
-    def side_released(i, rec_side=(), alone=False, frame_layer=False):
+    def side_released(i, rec_side=(), alone=False, frame_layer=False, ck=None):
         """(tokens let go mid-way through layer i's backward, what they add to its peak); ``alone``:
         nothing before layer i holds its input (the first layer of its segment): its splits then
         have the input go as its backward figure has it (with the frame, or its own last save);
-        ``frame_layer``: layer i lets its checkpointed segment's frame go (its first saving layer)."""
+        ``frame_layer``: layer i lets its checkpointed segment's frame go (its first saving layer);
+        ``ck``: the checkpoint that frame holds. Where the splits are all of the recomputed timeline
+        (not ``alone``), the frame (with ``ck``) and the recomputed copies let go here are one sequence
+        of releases."""
         tokens, add, frame = set(), 0, 0
         fsplit = ((int(c.fkpre[i]), int(c.fkpost[i])) if alone else (int(c.fpre[i]), int(c.fpost[i]))) \
             if has_frame else None
+        joint = frame_layer and has_frame and not alone
+        entries = []  # (pre, post, bytes) of the recomputed copies released with the frame
+        if joint and ck is not None:
+            tokens.add(ck)
+            frame += size[ck]
         for j, t in enumerate(side):
             if release[j] == i:
                 tokens.add(f"s{j}")
@@ -171,15 +179,32 @@ def _full(c, checkpoints, stored):
         for tok, first in rec_side:
             if first == i:
                 tokens.add(tok)
-                if frame_layer and fsplit is not None and rec_split(int(tok[2:]), i) == fsplit:
+                split = rec_split(int(tok[2:]), i)
+                if joint and split is not None:
+                    entries.append((*split, size[tok]))
+                elif frame_layer and fsplit is not None and split == fsplit:
                     frame += size[tok]  # (a recomputed copy that goes at the frame's moment: one release)
                 else:
                     add += own_gain(int(tok[2:]), i, size[tok], rec=True)
-        if frame and has_frame:
+        if joint:
+            add += releases(entries + [(*fsplit, frame)], max(fsplit))
+        elif frame and has_frame:
             add += gain(frame, *fsplit)
         elif frame:
             add += frame
         return tokens, add
+
+    def releases(entries, top):
+        """What tensors let go one after another mid-way through a layer's backward add to its peak:
+        in the order their splits say (a later release has a higher peak before it, or as high and a
+        lower one after), the most of each peak before plus everything not yet let go, and the last peak
+        after."""
+        entries = sorted(entries, key=lambda e: (e[0], -e[1]))
+        still, best = sum(e[2] for e in entries), []
+        for pre, post, x in entries:
+            best.append(pre + still)
+            still -= x
+        return max(best + [entries[-1][1]]) - top
 
     def rec_split(j, u):
         """A recomputed copy's release split at its saver ``u`` (None: not known)."""
@@ -348,8 +373,10 @@ def _full(c, checkpoints, stored):
             live = held | grads | seg_saved | saved(i) | {f"g{i}"} | side_backward(i)
             if not unwrapped[k]:
                 live |= {tok for tok, first in rec_side if first <= i}
+            lets_ck_go = not unwrapped[k] and k and i == first_saving and f"x{l - 1}" not in kept_before(k)
             gone, add = side_released(i, rec_side if not unwrapped[k] else (), i == l and l > 0 and not prev_keeps,
-                                      not unwrapped[k] and i == first_saving)
+                                      not unwrapped[k] and i == first_saving,
+                                      f"x{l - 1}" if lets_ck_go and i > l else None)
             bi = b_first if i == l else bseg[i]
             if not unwrapped[k] and i == top:  # (from its first read on)
                 bi = brt[i] if i > l or l == 0 or prev_keeps else bkrt[l]
@@ -364,7 +391,7 @@ def _full(c, checkpoints, stored):
                 held.add(f"g{i - 1}")
             # a checkpoint's frame (holding x{l-1}) goes with the segment's last saved tensor,
             # released by the backward of its first layer that saves one
-            if not unwrapped[k] and k and i == first_saving and f"x{l - 1}" not in kept_before(k):
+            if lets_ck_go:
                 held.discard(f"x{l - 1}")
         if k:
             ckpt.discard(f"x{l - 1}")

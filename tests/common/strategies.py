@@ -130,6 +130,11 @@ def side_costs(draw, max_n: int = 9, max_value: int = 100):
             groot[i] = groot[i + 1]
     d["layers"]["groot"] = groot
     d["layers"]["gh"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
+    if base.n > 2 and draw(st.booleans()):  # a layer that saves nothing (a concatenation): a segment starting
+        i = draw(st.integers(1, base.n - 2))  # there lets its frame go in a later layer's backward
+        for k in ("sin", "sout", "m", "holds"):
+            if k in d["layers"]:
+                d["layers"][k][i] = 0
     if draw(st.booleans()):
         d["layers"]["fpre"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))
         d["layers"]["fpost"] = draw(st.lists(st.integers(0, hi), min_size=base.n, max_size=base.n))

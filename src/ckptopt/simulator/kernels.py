@@ -14,7 +14,8 @@ the checkpoints held by earlier segments, for a segment ``[l, r]`` with
   previous segment does not keep the segment's input: ``qbk`` for its first layer
   (the checkpoint's frame holds the input while the layer's saved tensors live),
   and the layers before its first saving layer without the checkpoint (the frame
-  goes with the segment's last saved tensor); in an unwrapped segment ``qbf`` for
+  goes with the segment's last saved tensor; that layer's own term, when it is not ``l``,
+  takes ``ckf[l]``: the checkpoint goes mid-way through it); in an unwrapped segment ``qbf`` for
   its first layer (nothing else holds its input once its backward has read it);
 * forward at i (wrapped segment): ``fc[l]`` at ``i = l``, ``fw[i]`` after (the checkpoint's first
   pass keeps none of the saved tensors);
@@ -224,6 +225,8 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
+        elif i == freed_before and i > l:  # (it lets the checkpoint go mid-way through its backward)
+            v += K.ckf[l]
         if add:
             v += badd[i]
         if v > best:
@@ -277,6 +280,8 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         v = K.P[i] - Pl + q if i <= trigger else q
         if i < freed_before:
             v -= K.ck[l]
+        elif i == freed_before and i > l:
+            v += K.ckf[l]
         out[2 * w + i - l] = v + badd[i]
 
 
@@ -345,7 +350,7 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
     K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one, one, one, one, one, one, one, one)
+                        one, one, one, one, one, one, one, one, one, one, z)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre

@@ -38,14 +38,23 @@ from numba import njit
 
 from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
-__all__ = ["side_terms", "side_terms_frame", "frame_split", "simulate_plan_side", "side_scratch"]
+__all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_order", "simulate_plan_side", "side_scratch"]
 
 
 def side_scratch(n: int, ns: int):
     """The work arrays the side kernels share: per-layer addends (forward, recompute, backward)
-    and a per-side-tensor mark."""
+    and a per-side-tensor mark, followed by the releases :func:`side_terms_frame` prices with the
+    frame's (:func:`_joint_add`; at ``_jb(mark)``: their count, -1 when none are; the checkpoint the
+    frame lets go with them; then ``(pre, post, bytes)`` per recomputed copy)."""
+    k = max(ns, 1)
     return (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-            np.zeros(max(ns, 1), dtype=np.int64))
+            np.zeros(4 * k + 2, dtype=np.int64))
+
+
+@njit(cache=True)
+def _jb(mark):
+    """Where the frame layer's joint releases start in ``mark`` (:func:`side_scratch`)."""
+    return (mark.shape[0] - 2) // 4
 
 
 @njit(cache=True)
@@ -106,6 +115,53 @@ def _frame_add(SD, u, x, alone):
     top = pre if pre > post else post
     v = pre + x
     return (v if v > post else post) - top
+
+
+@njit(cache=True)
+def joint_order(SD, u, mark, jb):
+    """Layer ``u``'s releases priced together (the recomputed copies of ``mark``'s joint entries, then the
+    frame, index ``count``): ``(pre, post, order)``, ``order`` the sequence they happen in. From the
+    splits alone: a release after another has a peak before it at least as high, and one after it at
+    most as high (ties in both are the same moment, in either order)."""
+    c = mark[jb]
+    pre = np.empty(c + 1, dtype=np.int64)
+    post = np.empty(c + 1, dtype=np.int64)
+    for q in range(c):
+        pre[q] = mark[jb + 2 + 3 * q]
+        post[q] = mark[jb + 3 + 3 * q]
+    pre[c] = SD.fpre[u]
+    post[c] = SD.fpost[u]
+    order = np.arange(c + 1)
+    for a in range(1, c + 1):  # (insertion sort: a few entries)
+        o = order[a]
+        b = a - 1
+        while b >= 0 and (pre[order[b]] > pre[o] or (pre[order[b]] == pre[o] and post[order[b]] < post[o])):
+            order[b + 1] = order[b]
+            b -= 1
+        order[b + 1] = o
+    return pre, post, order
+
+
+@njit(cache=True)
+def _joint_add(SD, u, x, mark, jb):
+    """What the frame's ``x`` bytes and the recomputed copies let go in layer ``u``'s backward with it
+    (``mark``'s joint entries) add to its peak, as one sequence of releases: the largest of each
+    release's peak before it plus everything still held then, and the peak after the last.
+    Priced one by one, each saw the others gone before its moment (a random model's recomputed copy,
+    let go before the engine sums a bias gradient, and the frame, after: tests/test_fuzz.py)."""
+    pre, post, order = joint_order(SD, u, mark, jb)
+    c = mark[jb]
+    S = x
+    for q in range(c):
+        S += mark[jb + 4 + 3 * q]
+    best = NEG
+    for o in order:
+        if pre[o] + S > best:
+            best = pre[o] + S
+        S -= x if o == c else mark[jb + 4 + 3 * o]
+    last = post[order[c]]
+    top = SD.fpre[u] if SD.fpre[u] > SD.fpost[u] else SD.fpost[u]
+    return (best if best > last else last) - top
 
 
 @njit(cache=True)
@@ -172,6 +228,13 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     # no earlier layer holds layer l's input: its release splits are taken as its backward figure has it
     # (with the frame, as bkr; with its own last save, as bf where layer l - 1 saves it: b is bf elsewhere)
     alone = l > 0 and not prev_keeps
+    # the frame's release and the recomputed copies let go in the same layer, priced as one sequence
+    # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
+    # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
+    jb = _jb(mark)
+    joint = not unwrapped and seg_saves and SD.hasrel[SD.hasrel.shape[0] - 1] != 0 and not (alone and fsv == l)
+    mark[jb] = 0 if joint else -1
+    mark[jb + 1] = K.ck[l] if joint and alone else 0
     free = alone and unwrapped and K.sout[l - 1] != 0
     held_l = not (unwrapped and alone and K.sin[l] == 0)  # (an unwrapped segment's first layer: ff, else f)
     trigger = r
@@ -262,11 +325,19 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                     if rho >= 0:
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
-                        if rho == fsv and _with_frame(SD, j, rho, alone and fsv == l):
+                        q = _saver_index(SD, j, rho)
+                        if rho == fsv and joint and SD.hasrel[j] != 0 and q >= 0:
+                            o = jb + 2 + 3 * mark[jb]  # (priced with the frame's release)
+                            mark[o], mark[o + 1], mark[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
+                            mark[jb] += 1
+                        elif rho == fsv and _with_frame(SD, j, rho, alone and fsv == l):
                             frame += sa  # (let go with the frame, at one moment)
                         else:
                             badd[rho] += _release_add(SD, j, rho, sa, True, False)
-    if frame and apply_frame:
+    if joint and apply_frame:  # (segment_peak_add counts the checkpoint as held, with ckf)
+        ckx = mark[jb + 1]
+        badd[fsv] += _joint_add(SD, fsv, frame + ckx, mark, jb) - ckx - (K.ckf[l] if ckx else 0)
+    elif frame and apply_frame:
         badd[fsv] += _frame_add(SD, fsv, frame, alone and fsv == l)
     # the mask at r + 1, and the marks cleared
     S2 = 0

@@ -99,6 +99,7 @@ def _backward(l: int, r: int, K: KernelArrays, after: int | None = None,
         else:
             q = int(K.qbk[i] if held_input and i == l else K.qbf[i] if free_input and i == l else K.qb[i])
         v = int(K.P[i] - K.P[l]) + q if i <= after else q
+        v += int(K.ckf[l]) if drop and i == freed_before > l else 0  # (the checkpoint goes mid-way through it)
         out.append(("backward", i, v - (drop if i < freed_before else 0)))
     return out
 

@@ -34,7 +34,8 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
 
     * ``Dc0[r]``, ``Dc1[r]``: peak of the segment checkpointed (r < n-1); with flag 0
       the layers before its first saving layer run their backward without the
-      checkpoint it holds (the frame goes with the segment's last saved tensor), and a
+      checkpoint it holds (the frame goes with the segment's last saved tensor, mid-way
+      through the first saving layer's backward: ``ckf`` in its term), and a
       segment that saves nothing (no checkpoint held) has its input live through its
       whole forward (the checkpoint call holds its arguments: included here);
     * ``Ds0[r]``, ``Ds1[r]``: peak of the segment run unwrapped (the last
@@ -73,6 +74,9 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
         # as the segment's last saving layer (the trigger): from its first read of a saved tensor on
         vrt = K.P[r] - Pl + K.qbt[r]
         vct = K.qbkt[l] if r == l and first else vrt
+        if full and first and r > l and K.saves[r] != 0 and not seg_saves:  # (the first saving layer lets the
+            vc += K.ckf[l]  # checkpoint go mid-way through its backward)
+            vct += K.ckf[l]
         bwd1r_before = bwd1r
         post_before = post_c
         if v > bwd1:

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
-from ..simulator.streams import frame_split, side_terms, side_terms_frame, simulate_plan_side
+from ..simulator.streams import frame_split, joint_order, side_terms, side_terms_frame, simulate_plan_side
 from .rows import grow
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
@@ -131,12 +131,43 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         framek[k] = fk - frame0
         if framek[k] != 0:
             anyframe = True
-    tf = 2 * w + fsv - l if anyframe or frame0 != 0 else -1  # the backward term of the layer that lets the frame go
+    jb = (mark.shape[0] - 2) // 4  # (the frame layer's joint releases, simulator.streams.side_scratch)
+    joint = mark[jb] >= 0
+    # the backward term of the layer that lets the frame go
+    tf = 2 * w + fsv - l if anyframe or frame0 != 0 or joint else -1
     # the terms, merged where their coefficients agree
     G = 0
     for t in range(3 * w):
         v = terms[t]
         if v == NEG:
+            continue
+        if t == tf and joint:
+            # one sequence of releases (simulator.streams._joint_add): a term per release, its peak before
+            # it plus what is still held then (the frame's bytes, with its coefficients, up to its own),
+            # and the peak after the last; the checkpoint, counted held with ckf, is one of them
+            pre, post, order = joint_order(SD, fsv, mark, jb)
+            cnt = mark[jb]
+            ckx = mark[jb + 1]
+            v -= ckx + (K.ckf[l] if ckx else 0)
+            top = pre[cnt] if pre[cnt] > post[cnt] else post[cnt]
+            rest = frame0 + ckx
+            for q in range(cnt):
+                rest += mark[jb + 4 + 3 * q]
+            with_frame = True
+            for o in order:
+                gbase[G] = v + pre[o] - top + rest
+                for k in range(nb):
+                    gcoef[G, k] = coef[k, t] + (framek[k] if with_frame else 0)
+                G += 1
+                if o == cnt:
+                    rest -= frame0 + ckx
+                    with_frame = False
+                else:
+                    rest -= mark[jb + 4 + 3 * o]
+            gbase[G] = v + post[order[cnt]] - top
+            for k in range(nb):
+                gcoef[G, k] = coef[k, t]
+            G += 1
             continue
         if t == tf:
             hasrel = SD.hasrel[SD.hasrel.shape[0] - 1] != 0
@@ -198,15 +229,15 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
     return c
 
 
-def _workspace(n: int, max_open: int):
-    """The scratch arrays of :func:`_segment_masks` for ``n`` layers and at most ``max_open`` tensors
-    open at a boundary."""
+def _workspace(n: int, max_open: int, n_side: int):
+    """The scratch arrays of :func:`_segment_masks` for ``n`` layers, at most ``max_open`` tensors
+    open at a boundary and ``n_side`` side tensors."""
     nb = max(max_open, 1)
     ns = 1 << nb
     lowk = np.zeros(ns, dtype=np.int64)
     for S in range(1, ns):
         lowk[S] = (S & -S).bit_length() - 1
-    t = 3 * n + 4
+    t = 3 * n + 4 + n_side  # (the frame layer's term: a row per release)
     return (np.zeros(t, dtype=np.int64), np.zeros(t, dtype=np.int64), np.zeros((nb, t), dtype=np.int64),
             np.zeros(t, dtype=np.int64), np.zeros((t, nb), dtype=np.int64), np.zeros(nb, dtype=np.int64),
             np.zeros(nb, dtype=np.int64), np.zeros(nb, dtype=np.int64), lowk, np.zeros(ns, dtype=np.int64))
@@ -705,7 +736,7 @@ def _context(costs):
     n = costs.n
     max_open = int(np.diff(np.asarray(SD.bptr)).max()) if n else 0
     return (SD, state_offsets(SD, n), unheld_bits(SD, n),
-            side_scratch(n, len(costs.side)) + (_workspace(n, max_open),))
+            side_scratch(n, len(costs.side)) + (_workspace(n, max_open, len(costs.side)),))
 
 
 def _memo(costs) -> dict:
