@@ -149,8 +149,12 @@ def _joint_add(SD, u, x, mark, jb):
     release's peak before it plus everything still held then, and the peak after the last.
     Priced one by one, each saw the others gone before its moment (a random model's recomputed copy,
     let go before the engine sums a bias gradient, and the frame, after: tests/test_fuzz.py)."""
-    pre, post, order = joint_order(SD, u, mark, jb)
     c = mark[jb]
+    top = SD.fpre[u] if SD.fpre[u] > SD.fpost[u] else SD.fpost[u]
+    if c == 0:  # (the frame alone)
+        v = SD.fpre[u] + x
+        return (v if v > SD.fpost[u] else SD.fpost[u]) - top
+    pre, post, order = joint_order(SD, u, mark, jb)
     S = x
     for q in range(c):
         S += mark[jb + 4 + 3 * q]
@@ -160,7 +164,6 @@ def _joint_add(SD, u, x, mark, jb):
             best = pre[o] + S
         S -= x if o == c else mark[jb + 4 + 3 * o]
     last = post[order[c]]
-    top = SD.fpre[u] if SD.fpre[u] > SD.fpost[u] else SD.fpost[u]
     return (best if best > last else last) - top
 
 

@@ -141,42 +141,45 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         v = terms[t]
         if v == NEG:
             continue
-        if t == tf and joint:
-            # one sequence of releases (simulator.streams._joint_add): a term per release, its peak before
-            # it plus what is still held then (the frame's bytes, with its coefficients, up to its own),
-            # and the peak after the last; the checkpoint, counted held with ckf, is one of them
-            pre, post, order = joint_order(SD, fsv, mark, jb)
-            cnt = mark[jb]
-            ckx = mark[jb + 1]
-            v -= ckx + (K.ckf[l] if ckx else 0)
-            top = pre[cnt] if pre[cnt] > post[cnt] else post[cnt]
-            rest = frame0 + ckx
-            for q in range(cnt):
-                rest += mark[jb + 4 + 3 * q]
-            with_frame = True
-            for o in order:
-                gbase[G] = v + pre[o] - top + rest
-                for k in range(nb):
-                    gcoef[G, k] = coef[k, t] + (framek[k] if with_frame else 0)
-                G += 1
-                if o == cnt:
-                    rest -= frame0 + ckx
-                    with_frame = False
-                else:
-                    rest -= mark[jb + 4 + 3 * o]
-            gbase[G] = v + post[order[cnt]] - top
-            for k in range(nb):
-                gcoef[G, k] = coef[k, t]
-            G += 1
-            continue
         if t == tf:
+            x0 = frame0  # (frame0: recomputed copies let go with the frame)
+            cnt = mark[jb] if joint else 0
+            if joint:  # (the checkpoint, counted held with ckf, is one of the frame's bytes)
+                ckx = mark[jb + 1]
+                v -= ckx + (K.ckf[l] if ckx else 0)
+                x0 += ckx
+            if cnt:
+                # one sequence of releases (simulator.streams._joint_add): a term per release, its peak
+                # before it plus what is still held then (the frame's bytes, with its coefficients, up
+                # to its own), and the peak after the last
+                jpre, jpost, jorder = joint_order(SD, fsv, mark, jb)
+                top = jpre[cnt] if jpre[cnt] > jpost[cnt] else jpost[cnt]
+                rest = x0
+                for q in range(cnt):
+                    rest += mark[jb + 4 + 3 * q]
+                held_f = True
+                for o in jorder:
+                    gbase[G] = v + jpre[o] - top + rest
+                    for k in range(nb):
+                        gcoef[G, k] = coef[k, t] + (framek[k] if held_f else 0)
+                    G += 1
+                    if o == cnt:
+                        rest -= x0
+                        held_f = False
+                    else:
+                        rest -= mark[jb + 4 + 3 * o]
+                gbase[G] = v + jpost[jorder[cnt]] - top
+                for k in range(nb):
+                    gcoef[G, k] = coef[k, t]
+                G += 1
+                continue
             hasrel = SD.hasrel[SD.hasrel.shape[0] - 1] != 0
             pre, post = frame_split(SD, fsv, l > 0 and flag == 0 and fsv == l)
             if not hasrel:
                 pre, post = 0, 0
             top = pre if pre > post else post
             # + max(pre + x, post) - top, x the frame's bytes: (pre - top + x) and (post - top)
-            gbase[G] = v + pre - top + frame0  # (frame0: recomputed copies let go with the frame)
+            gbase[G] = v + pre - top + x0
             for k in range(nb):
                 gcoef[G, k] = coef[k, t] + framek[k]
             G += 1
