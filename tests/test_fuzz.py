@@ -1473,3 +1473,21 @@ def test_regression_the_frame_and_a_recomputed_copy_let_go_in_one_layer_are_one_
     model, x, tm = _traced(spec, 706591006)
     assert tm.costs.kernel_arrays.ckf[1] < 0
     _assert_exact_by_phase(model, x, tm, [(1, 7), (1, 3, 4), (1, 4), (1,), (), (2,), (1, 3, 6, 7)])
+
+
+# ... and only splits of that one timeline (a recomputed copy's saved_pre_rec): a side output its producer saves is
+# counted whole through the producer's backward, its split (top, top) of the timeline autograd keeps. Taken into the
+# sequence, its top (b) against the frame's (br) counted the bias gradient's difference again: seed 524494959 (recorded
+# on the code before the stream work) was 54 B over on every plan that recomputed the first layer, while
+# exact before the sequence was introduced (the broad replay caught it; SideArrays.hasrel 2: a recomputed split).
+REGRESSION_ONLY_RECOMPUTED_SPLITS_JOIN_THE_SEQUENCE = Spec(family='mlp', dtype='bfloat16', batch=5, shape=(28,),
+    nodes=(
+        Node(op='relu', inputs=(0,), width=0, inplace=''), Node(op='linear', inputs=(1,), width=31, inplace=''),
+        Node(op='cat', inputs=(1, 2), width=0, inplace=''), Node(op='tanh', inputs=(3,), width=0, inplace='')),
+    classes=4, input_requires_grad=False, dropout_p=0.3, kind='')
+
+
+def test_regression_only_splits_of_the_recomputed_timeline_join_the_frames_sequence():
+    model, x, tm = _traced(REGRESSION_ONLY_RECOMPUTED_SPLITS_JOIN_THE_SEQUENCE, 524494959)
+    assert tm.costs.br[0] < tm.costs.b[0]
+    _assert_exact_by_phase(model, x, tm, [(2,), (1, 2, 3, 4), (1,), (), (3,), (2, 3)])

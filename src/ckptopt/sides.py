@@ -194,7 +194,8 @@ class SideArrays(NamedTuple):
     its ``last_gain_ckpt``; ``sdie_f``, ``sdief_f``, ``sdiec_f``: the same with the reader's input dying too.
     ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
     ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``hasrel``: known per
-    side tensor (the last entry: the frame's ``fpre``/``fpost`` and ``fkpre``/``fkpost`` are given).
+    side tensor (2: a recomputed copy's split too; the last entry: the frame's ``fpre``/``fpost`` and
+    ``fkpre``/``fkpost`` are given).
     """
 
     sa: np.ndarray
@@ -297,7 +298,7 @@ class SideArrays(NamedTuple):
             svpost_r.extend(t.saved_post_rec or t.saved_post or zero)
             svpre_f.extend(t.saved_pre_free or t.saved_pre or zero)
             svpost_f.extend(t.saved_post_free or t.saved_post or zero)
-            hasrel.append(1 if t.saved_pre else 0)
+            hasrel.append(2 if t.saved_pre_rec else 1 if t.saved_pre else 0)
             svptr.append(len(svu))
         have = fpre is not None and fpost is not None
         fp = list(fpre) if have else [0] * n

@@ -180,7 +180,7 @@ def _full(c, checkpoints, stored):
             if first == i:
                 tokens.add(tok)
                 split = rec_split(int(tok[2:]), i)
-                if joint and split is not None:
+                if joint and side[int(tok[2:])].saved_pre_rec:  # (a split of the recomputed timeline)
                     entries.append((*split, size[tok]))
                 elif frame_layer and fsplit is not None and split == fsplit:
                     frame += size[tok]  # (a recomputed copy that goes at the frame's moment: one release)

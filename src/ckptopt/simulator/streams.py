@@ -329,7 +329,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
                         q = _saver_index(SD, j, rho)
-                        if rho == fsv and joint and SD.hasrel[j] != 0 and q >= 0:
+                        if rho == fsv and joint and SD.hasrel[j] == 2 and q >= 0:  # (a split of that timeline)
                             o = jb + 2 + 3 * mark[jb]  # (priced with the frame's release)
                             mark[o], mark[o + 1], mark[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
                             mark[jb] += 1
