@@ -38,13 +38,14 @@ from numba import njit
 
 from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
-__all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_order", "simulate_plan_side", "side_scratch"]
+__all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_base", "joint_order", "simulate_plan_side",
+           "side_scratch"]
 
 
 def side_scratch(n: int, ns: int):
     """The work arrays the side kernels share: per-layer addends (forward, recompute, backward)
     and a per-side-tensor mark, followed by the releases :func:`side_terms_frame` prices with the
-    frame's (:func:`_joint_add`; at ``_jb(mark)``: their count, -1 when none are; the checkpoint the
+    frame's (:func:`_joint_add`; at ``joint_base(mark)``: their count, -1 when none are; the checkpoint the
     frame lets go with them; then ``(pre, post, bytes)`` per recomputed copy)."""
     k = max(ns, 1)
     return (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
@@ -52,7 +53,7 @@ def side_scratch(n: int, ns: int):
 
 
 @njit(cache=True)
-def _jb(mark):
+def joint_base(mark):
     """Where the frame layer's joint releases start in ``mark`` (:func:`side_scratch`)."""
     return (mark.shape[0] - 2) // 4
 
@@ -234,7 +235,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     # the frame's release and the recomputed copies let go in the same layer, priced as one sequence
     # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
     # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
-    jb = _jb(mark)
+    jb = joint_base(mark)
     joint = not unwrapped and seg_saves and SD.hasrel[SD.hasrel.shape[0] - 1] != 0 and not (alone and fsv == l)
     mark[jb] = 0 if joint else -1
     mark[jb + 1] = K.ck[l] if joint and alone else 0

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
-from ..simulator.streams import frame_split, joint_order, side_terms, side_terms_frame, simulate_plan_side
+from ..simulator.streams import frame_split, joint_base, joint_order, side_terms, side_terms_frame, simulate_plan_side
 from .rows import grow
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
@@ -131,7 +131,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         framek[k] = fk - frame0
         if framek[k] != 0:
             anyframe = True
-    jb = (mark.shape[0] - 2) // 4  # (the frame layer's joint releases, simulator.streams.side_scratch)
+    jb = joint_base(mark)  # (the frame layer's joint releases)
     joint = mark[jb] >= 0
     # the backward term of the layer that lets the frame go
     tf = 2 * w + fsv - l if anyframe or frame0 != 0 or joint else -1
