@@ -147,6 +147,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         # concatenation after it hands each a view of the same gradient) is measured again with
         # that storage shared, so that its figures count it once
         again = False
+        held_out: dict[int, bool] = {}  # (whether each layer was measured with its output gradient held)
         # last layer first: a layer's output gradient is laid out as the next layer's backward hands
         # it out, which depends on how that layer's own output gradient is laid out
         for j in reversed(range(len(built))):
@@ -171,8 +172,27 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
                              [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
                 found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
                 layers[j] = dataclasses.replace(layers[j], costs=m)
+                held_out[j] = hold_out
                 again = True
         if again:
+            grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
+        # ... and once more where the side tensors that pass found make a layer's output gradient outlive
+        # its backward (or no longer): measured with it let go, its release splits did not count it, and
+        # the gh the model adds for it came on top (a random model 3,072 B over in a layer's term)
+        for j in reversed(range(len(built))):
+            hold_out = _output_grad_outlives(j, side, grad_root)
+            if hold_out == held_out.get(j, False):
+                continue
+            shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
+            m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
+                         shared, _held_pending(j, streams.io[j], side), _out_grad_layout(j, layers, grad_store),
+                         [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in],
+                         _chain_output_gets_a_gradient(j, built, layers, values),
+                         tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out), hold_out,
+                         _lone_side_grad_layout(j, streams, layers, side, shared),
+                         [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
+            found.note(j, built[j], streams.io[j], m)
+            layers[j] = dataclasses.replace(layers[j], costs=m)
             grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
     return layers, side, grad_store, grad_root, param_owner
 
