@@ -150,29 +150,35 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         held_out: dict[int, bool] = {}  # (whether each layer was measured with its output gradient held)
         # last layer first: a layer's output gradient is laid out as the next layer's backward hands
         # it out, which depends on how that layer's own output gradient is laid out
-        for j in reversed(range(len(built))):
-            b = built[j]
+        def how(j: int) -> tuple:
+            """The arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and held,
+            from the side tensors as they stand."""
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
-            held = _held_pending(j, streams.io[j], side)
-            layout = _out_grad_layout(j, layers, grad_store)
             # a side input is pending when a later consumer's backward adds to its gradient, not when
             # one only reads it (a dead branch, a size): then this layer's contribution is the first,
             # handed out as its backward makes it (a concatenation's slice), not summed out of place
             pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
-            read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
-            out_grad = _chain_output_gets_a_gradient(j, built, layers, values)
             # a side output no later layer hands a gradient (read only by dead ops) gets none
             side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
-            hold_out = _output_grad_outlives(j, side, grad_root)
-            side_layout = _lone_side_grad_layout(j, streams, layers, side, shared)
+            return (shared, _held_pending(j, streams.io[j], side), _out_grad_layout(j, layers, grad_store), pending,
+                    _chain_output_gets_a_gradient(j, built, layers, values), side_out_grad,
+                    _output_grad_outlives(j, side, grad_root), _lone_side_grad_layout(j, streams, layers, side, shared),
+                    [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
+
+        def measure_again(j: int, args: tuple) -> None:
+            m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
+                         *args)
+            found.note(j, built[j], streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
+            layers[j] = dataclasses.replace(layers[j], costs=m)
+            held_out[j] = args[6]
+
+        for j in reversed(range(len(built))):
+            args = how(j)
+            shared, held, layout, pending, out_grad, side_out_grad, hold_out = args[:7]
+            read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
             if (shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad)
                     or hold_out):
-                m = _measure(j, b, streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                             shared, held, layout, pending, out_grad, side_out_grad, hold_out, side_layout,
-                             [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
-                found.note(j, b, streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
-                layers[j] = dataclasses.replace(layers[j], costs=m)
-                held_out[j] = hold_out
+                measure_again(j, args)
                 again = True
         if again:
             grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
@@ -180,20 +186,9 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         # its backward (or no longer): measured with it let go, its release splits did not count it, and
         # the gh the model adds for it came on top (a random model 3,072 B over in a layer's term)
         for j in reversed(range(len(built))):
-            hold_out = _output_grad_outlives(j, side, grad_root)
-            if hold_out == held_out.get(j, False):
-                continue
-            shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
-            m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                         shared, _held_pending(j, streams.io[j], side), _out_grad_layout(j, layers, grad_store),
-                         [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in],
-                         _chain_output_gets_a_gradient(j, built, layers, values),
-                         tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out), hold_out,
-                         _lone_side_grad_layout(j, streams, layers, side, shared),
-                         [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
-            found.note(j, built[j], streams.io[j], m)
-            layers[j] = dataclasses.replace(layers[j], costs=m)
-            grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
+            if _output_grad_outlives(j, side, grad_root) != held_out.get(j, False):
+                measure_again(j, how(j))
+                grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
     return layers, side, grad_store, grad_root, param_owner
 
 
