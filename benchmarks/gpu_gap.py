@@ -119,7 +119,7 @@ def run_case(name: str, plan: str, device: str, scale: int = 1) -> dict:
         torch.cuda.synchronize()
     start_alloc = torch.cuda.memory_allocated() if cuda else 0
     tracker = StorageTracker()
-    tracker.register(module, *(batch.values() if isinstance(batch, dict) else batch))
+    tracker.register(module, batch)  # a container: its non-tensor values (CLIP's return_loss) are skipped
     start_tracked = tracker.current_bytes
     with tracker, Probe():
         out = module(**batch) if call is None else module(*batch)
