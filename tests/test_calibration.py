@@ -123,10 +123,11 @@ class ScriptedProbe(DeviceProbe):
     """Reports the tensors' peak of each phase (its own storage tracker) plus a scripted
     scratch, and a scripted library workspace: what a device with a caching allocator would."""
 
-    def __init__(self, forward_scratch, backward_scratch, workspace):
+    def __init__(self, forward_scratch, backward_scratch, workspace, recompute_workspace=0):
         super().__init__(torch.device("cpu"))
         self.scratch = {"forward": forward_scratch, "backward": backward_scratch}
         self.ws = workspace
+        self.readings = [workspace, workspace + recompute_workspace]  # before and after the replay
         self.calls = 0
         self.tracker = None
 
@@ -156,7 +157,7 @@ class ScriptedProbe(DeviceProbe):
         return peak + extra
 
     def workspace(self):
-        return self.ws
+        return self.readings.pop(0) if self.readings else self.ws
 
 
 def test_scratch_and_workspace_fold_into_the_cost_model():
@@ -181,6 +182,29 @@ def test_scratch_and_workspace_fold_into_the_cost_model():
     # the solvers plan on the calibrated model: optimal there
     best = solve(costs, "dp")
     assert best.peak_bytes == min(simulate(costs, p).peak_bytes for p in all_plans(tm.n))
+
+
+def test_the_workspace_a_recomputation_adds_is_measured_inside_a_backward_and_kept():
+    # A checkpointed segment's recomputation runs forward kernels inside the backward (on CUDA on
+    # autograd's thread, whose library workspaces are its own: cuBLASLt's 1 MiB on an H200). The
+    # calibration replays each distinct layer's forward there once and keeps what it adds.
+    model, x = convnet()
+    tm = trace(model, x)
+    inside: list[bool] = []
+    hook = model[0].register_forward_hook(
+        lambda m, i, o: inside.append(torch._C._current_autograd_node() is not None and torch.is_grad_enabled()))
+    try:
+        probe = ScriptedProbe(forward_scratch=0, backward_scratch=0, workspace=70_000, recompute_workspace=1024)
+        cal = calibrate(model, tm, x, repeats=1, probe=probe, cache=False)
+    finally:
+        hook.remove()
+    assert cal.workspace_bytes == 70_000 and cal.recompute_workspace_bytes == 1024
+    assert cal.apply(tm.costs).static == tm.costs.static + 70_000 + 1024
+    assert inside[-1] and not any(inside[:-1])  # the timed and scratch runs outside, the replay inside a backward
+    assert not [p for p in model.parameters() if p.grad is not None]  # the replay leaves no gradient
+    # without allocator statistics nothing is replayed and nothing added
+    plain = calibrate(model, tm, x, repeats=1, cache=False)
+    assert plain.recompute_workspace_bytes == 0 and plain.apply(tm.costs).static == tm.costs.static
 
 
 # -- measured time drives the least-recompute choice ------------------------------------

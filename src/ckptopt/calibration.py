@@ -8,7 +8,11 @@ more things cost memory and one thing costs time:
   allocator's peak minus the tensor-storage peak of the same phase;
 * **a fixed workspace**: what the libraries keep once the first matrix product ran
   (cuBLAS: 65-70 MB on an H100, ``../shared/GPU_MEASUREMENTS.md``), measured, never
-  assumed;
+  assumed. The libraries keep one per thread: the forward runs on the caller's thread, the
+  backward on autograd's device thread, and a checkpointed segment's recomputation runs
+  forward kernels there too (cuBLASLt's 1 MiB for a Linear with a bias, on an H200); so the
+  layers' forwards are replayed once inside a backward and what that adds is kept as well
+  (``recompute_workspace_bytes``);
 * **time**: the forward and backward of each layer, measured, so that recomputation
   is priced in seconds rather than FLOPs (memory-bound BatchNorm/ReLU/add cost more
   than their FLOPs on a GPU).
@@ -134,6 +138,7 @@ class Calibration:
     workspace_bytes: int = 0
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    recompute_workspace_bytes: int = 0
 
     @property
     def measured(self) -> int:
@@ -141,8 +146,11 @@ class Calibration:
         return sum(not layer.cached for layer in self.layers)
 
     def apply(self, costs: ChainCosts) -> ChainCosts:
-        """``costs`` with scratch in the transients, the workspace in the static bytes, and measured
-        times (ns) as the compute costs ``c`` (forward) and ``cb`` (backward)."""
+        """``costs`` with scratch in the transients, the workspaces in the static bytes, and measured
+        times (ns) as the compute costs ``c`` (forward) and ``cb`` (backward).
+
+        The workspace a recomputation adds (``recompute_workspace_bytes``) is counted for every
+        plan: a plan that recomputes nothing is over-predicted by it (1 MiB where measured)."""
         if len(self.layers) != costs.n:
             raise ValueError(f"the calibration has {len(self.layers)} layers, the cost model {costs.n}")
         d = costs.to_dict()
@@ -162,7 +170,7 @@ class Calibration:
             for name in ("br", "bkr", "brt", "bkrt"):  # (present where they differ from b, bk, br, bkr)
                 if name in layers:
                     layers[name][i] += cal.backward_scratch
-        d["static"] = int(d["static"]) + self.workspace_bytes
+        d["static"] = int(d["static"]) + self.workspace_bytes + self.recompute_workspace_bytes
         d["compute"] = [int(round(cal.forward_seconds * 1e9)) for cal in self.layers]
         d["backward_compute"] = [int(round(cal.backward_seconds * 1e9)) for cal in self.layers]
         d["compute_unit"] = "ns"
@@ -233,7 +241,39 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
             for p in module.parameters():
                 p.grad = None
         workspace = probe.workspace()
-    return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start)
+        recompute_workspace = 0
+        if probe.has_statistics:
+            distinct = {key: (module, make_input, statics) for module, make_input, statics, key in built}
+            _replay_in_backward(list(distinct.values()), device)
+            recompute_workspace = max(0, probe.workspace() - workspace)
+    return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start,
+                       recompute_workspace_bytes=recompute_workspace)
+
+
+class _Replay(torch.autograd.Function):
+    """Runs layers' forwards inside its backward, with gradients on: where a checkpointed
+    segment's recomputation runs them (on CUDA, autograd's device thread, whose library
+    workspaces are its own)."""
+
+    @staticmethod
+    def forward(ctx, anchor, runs):
+        ctx.runs = runs
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            for module, make_input, statics in ctx.runs:
+                y = module(_fresh(make_input()) + list(statics))
+                del y
+        ctx.runs = None
+        return None, None
+
+
+def _replay_in_backward(runs: list[tuple], device: torch.device) -> None:
+    """Each of ``runs`` (a layer, its input maker, its static values) run forward once inside a backward."""
+    anchor = torch.zeros((), device=device, requires_grad=True)
+    _Replay.apply(anchor, runs).backward()
 
 
 def _measure(module: nn.Module, make_input, statics: list, probe: DeviceProbe,

@@ -425,7 +425,9 @@ class CheckpointedModule(nn.Module):
         if tm.calibration is not None:
             cal = tm.calibration
             lines.append(f"calibrated on {cal.device}: {cal.measured} of {len(cal.layers)} layers run "
-                         f"({cal.seconds:.1f} s), library workspace {format_bytes(cal.workspace_bytes)} in the static bytes")
+                         f"({cal.seconds:.1f} s), library workspace {format_bytes(cal.workspace_bytes)} in the static bytes"
+                         + (f" and {format_bytes(cal.recompute_workspace_bytes)} more that recomputation takes on "
+                            "autograd's thread" if cal.recompute_workspace_bytes else ""))
         return "\n".join(lines)
 
     def extra_repr(self) -> str:
