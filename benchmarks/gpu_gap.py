@@ -59,18 +59,40 @@ def _predicted_timelines(module) -> dict:
     from ckptopt.simulator import simulate_timeline
 
     tm, cps, st = module.traced, module.plan.checkpoints, module.plan.stored
-    out: dict = dict(timeline_tensors=[(e.phase, e.layer, e.bytes) for e in simulate_timeline(tm.costs, cps, st)])
-    sim = simulate(tm.costs, cps, st)
+    cal = tm.calibration  # (a calibrated module's costs hold the calibration already)
+    tensors = tm.costs if cal is None else _without_calibration(cal, tm.costs)
+    out: dict = dict(timeline_tensors=[(e.phase, e.layer, e.bytes) for e in simulate_timeline(tensors, cps, st)])
+    sim = simulate(tensors, cps, st)
     out["peak_tensors"] = dict(bytes=sim.peak_bytes, phase=sim.phase, layer=sim.layer)
-    cal = tm.calibration
     if cal is not None:
-        costs = cal.apply(tm.costs)
-        out["timeline_calibrated"] = [(e.phase, e.layer, e.bytes) for e in simulate_timeline(costs, cps, st)]
-        sim = simulate(costs, cps, st)
+        out["timeline_calibrated"] = [(e.phase, e.layer, e.bytes) for e in simulate_timeline(tm.costs, cps, st)]
+        sim = simulate(tm.costs, cps, st)
         out["peak_calibrated"] = dict(bytes=sim.peak_bytes, phase=sim.phase, layer=sim.layer)
-        out.update(workspace_bytes=cal.workspace_bytes, forward_scratch=[c.forward_scratch for c in cal.layers],
+        out.update(workspace_bytes=cal.workspace_bytes, recompute_workspace_bytes=cal.recompute_workspace_bytes,
+                   forward_scratch=[c.forward_scratch for c in cal.layers],
                    backward_scratch=[c.backward_scratch for c in cal.layers])
     return out
+
+
+def _without_calibration(cal, costs):
+    """The tensors-only costs under a calibrated model's: ``Calibration.apply``'s bytes taken back
+    (a transient it raised only where it was positive is positive after it too)."""
+    from ckptopt import ChainCosts
+
+    d = costs.to_dict()
+    layers = d["layers"]
+    for i, c in enumerate(cal.layers):
+        for name in ("f", "ff", "fc", "ffc"):
+            if name in layers:
+                layers[name][i] -= c.forward_scratch
+        for name in ("fs", "ffs"):
+            if name in layers and layers[name][i] > 0:
+                layers[name][i] -= c.forward_scratch
+        for name in ("b", "bk", "bf", "br", "bkr", "brt", "bkrt"):
+            if name in layers:
+                layers[name][i] -= c.backward_scratch
+    d["static"] = int(d["static"]) - cal.workspace_bytes - cal.recompute_workspace_bytes
+    return ChainCosts.from_dict(d)
 
 
 def run_case(name: str, plan: str, device: str, scale: int = 1) -> dict:

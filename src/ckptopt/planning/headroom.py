@@ -151,7 +151,9 @@ def expandable_segments() -> bool:
 #: What a max-batch report says when the default allocator is in use on CUDA.
 EXPANDABLE_HINT = ("PYTORCH_ALLOC_CONF=expandable_segments:True (set before CUDA starts) keeps the allocator's "
                    f"overhead near {CUDA_EXPANDABLE_FRACTION:.0%} instead of {CUDA_DEFAULT_FRACTION:.0%}-"
-                   f"{CUDA_CHECKPOINTED_FRACTION:.0%}: a larger batch fits")
+                   f"{CUDA_CHECKPOINTED_FRACTION:.0%}: a larger batch fits. Without it a checkpointed plan's answer "
+                   "can still run out of memory where single tensors are large against the limit (measured: "
+                   "fp32 logits of an eighth of it)")
 
 
 def _allocator_shares() -> tuple[float, float | None, str]:
