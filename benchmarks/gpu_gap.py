@@ -75,22 +75,12 @@ def _predicted_timelines(module) -> dict:
 
 
 def _without_calibration(cal, costs):
-    """The tensors-only costs under a calibrated model's: ``Calibration.apply``'s bytes taken back
-    (a transient it raised only where it was positive is positive after it too)."""
+    """The tensors-only costs under a calibrated model's: ``Calibration.apply``'s bytes taken back."""
     from ckptopt import ChainCosts
+    from ckptopt.calibration import _add_scratch
 
     d = costs.to_dict()
-    layers = d["layers"]
-    for i, c in enumerate(cal.layers):
-        for name in ("f", "ff", "fc", "ffc"):
-            if name in layers:
-                layers[name][i] -= c.forward_scratch
-        for name in ("fs", "ffs"):
-            if name in layers and layers[name][i] > 0:
-                layers[name][i] -= c.forward_scratch
-        for name in ("b", "bk", "bf", "br", "bkr", "brt", "bkrt"):
-            if name in layers:
-                layers[name][i] -= c.backward_scratch
+    _add_scratch(d["layers"], cal.layers, -1)
     d["static"] = int(d["static"]) - cal.workspace_bytes - cal.recompute_workspace_bytes
     return ChainCosts.from_dict(d)
 

@@ -154,27 +154,29 @@ class Calibration:
         if len(self.layers) != costs.n:
             raise ValueError(f"the calibration has {len(self.layers)} layers, the cost model {costs.n}")
         d = costs.to_dict()
-        layers = d["layers"]
-        for i, cal in enumerate(self.layers):
-            layers["f"][i] += cal.forward_scratch
-            if layers["fs"][i] > 0:
-                layers["fs"][i] += cal.forward_scratch
-            for name in ("ff", "fc", "ffc"):  # (present where they differ from f, fs)
-                if name in layers:
-                    layers[name][i] += cal.forward_scratch
-            if "ffs" in layers and layers["ffs"][i] > 0:
-                layers["ffs"][i] += cal.forward_scratch
-            layers["b"][i] += cal.backward_scratch
-            layers["bk"][i] += cal.backward_scratch
-            layers["bf"][i] += cal.backward_scratch
-            for name in ("br", "bkr", "brt", "bkrt"):  # (present where they differ from b, bk, br, bkr)
-                if name in layers:
-                    layers[name][i] += cal.backward_scratch
+        _add_scratch(d["layers"], self.layers, 1)
         d["static"] = int(d["static"]) + self.workspace_bytes + self.recompute_workspace_bytes
         d["compute"] = [int(round(cal.forward_seconds * 1e9)) for cal in self.layers]
         d["backward_compute"] = [int(round(cal.backward_seconds * 1e9)) for cal in self.layers]
         d["compute_unit"] = "ns"
         return ChainCosts.from_dict(d)
+
+
+#: The transients a layer's scratch joins: every forward one (``ff``/``fc``/``ffc`` are present where they
+#: differ from ``f``), the forward saved ones where positive, and every backward one.
+FORWARD_TRANSIENTS = ("f", "ff", "fc", "ffc")
+FORWARD_SAVED = ("fs", "ffs")
+BACKWARD_TRANSIENTS = ("b", "bk", "bf", "br", "bkr", "brt", "bkrt")
+
+
+def _add_scratch(layers: dict, cals, sign: int) -> None:
+    """Each layer's scratch added to (``sign`` 1) or taken from (-1) the transients of a cost model's
+    ``to_dict()["layers"]``: a saved transient changes only where positive, which it stays."""
+    for i, cal in enumerate(cals):
+        for name in FORWARD_TRANSIENTS + FORWARD_SAVED + BACKWARD_TRANSIENTS:
+            if name not in layers or (name in FORWARD_SAVED and layers[name][i] <= 0):
+                continue
+            layers[name][i] += sign * (cal.backward_scratch if name in BACKWARD_TRANSIENTS else cal.forward_scratch)
 
 
 _CACHE: dict[tuple, LayerCalibration] = {}
