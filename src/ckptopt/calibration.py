@@ -95,6 +95,7 @@ class DeviceProbe:
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()
+                _in_backward(clear, self.device)  # (builds that keep them per thread: autograd's too)
             self.synchronize()
             self._start = torch.cuda.memory_allocated(self.device)
 
@@ -252,30 +253,38 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
                        recompute_workspace_bytes=recompute_workspace)
 
 
-class _Replay(torch.autograd.Function):
-    """Runs layers' forwards inside its backward, with gradients on: where a checkpointed
-    segment's recomputation runs them (on CUDA, autograd's device thread, whose library
+class _InBackward(torch.autograd.Function):
+    """Runs ``work()`` inside its backward, with gradients on: where a checkpointed segment's
+    recomputation runs (on CUDA, autograd's device thread, whose library handles and
     workspaces are its own)."""
 
     @staticmethod
-    def forward(ctx, anchor, runs):
-        ctx.runs = runs
+    def forward(ctx, anchor, work):
+        ctx.work = work
         return anchor.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        work, ctx.work = ctx.work, None
         with torch.enable_grad():
-            for module, make_input, statics in ctx.runs:
-                y = module(_fresh(make_input()) + list(statics))
-                del y
-        ctx.runs = None
+            work()
         return None, None
+
+
+def _in_backward(work, device: torch.device) -> None:
+    anchor = torch.zeros((), device=device, requires_grad=True)
+    _InBackward.apply(anchor, work).backward()
 
 
 def _replay_in_backward(runs: list[tuple], device: torch.device) -> None:
     """Each of ``runs`` (a layer, its input maker, its static values) run forward once inside a backward."""
-    anchor = torch.zeros((), device=device, requires_grad=True)
-    _Replay.apply(anchor, runs).backward()
+
+    def forwards():
+        for module, make_input, statics in runs:
+            y = module(_fresh(make_input()) + list(statics))
+            del y
+
+    _in_backward(forwards, device)
 
 
 def _measure(module: nn.Module, make_input, statics: list, probe: DeviceProbe,
