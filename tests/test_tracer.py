@@ -444,6 +444,26 @@ def test_a_layer_that_reads_nothing():
         assert 0 <= measure_peak(copy.deepcopy(model), x, checkpoints=plan) - simulate(t.costs, plan).peak_bytes <= 8
 
 
+def test_a_mask_made_under_vmap_is_traced():
+    """transformers builds attention masks with ``torch.func.vmap``; a capture's values can then hold
+    a BatchedTensor, which has no storage of its own (T5Gemma2 stopped with "Cannot access storage of
+    BatchedTensorImpl" in the issue-19 sweep): its storage is the tensor it wraps."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            keep = torch.func.vmap(lambda row: (row > 0).to(row.dtype))(x)
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))) * keep)
+
+    torch.manual_seed(0)
+    model, x = Masked(), torch.randn(4, 8)
+    t = trace(model, x)
+    for plan in ((), solve(t.costs).checkpoints):
+        assert 0 <= measure_peak(copy.deepcopy(model), x, checkpoints=plan) - simulate(t.costs, plan).peak_bytes <= 8
+
+
 def test_parameters_the_loss_does_not_reach_get_no_gradient():
     """A head whose output is returned beside what the loss reads (SigLIP's attention pooling under
     image classification, BERT's pooler under masked LM) gets no parameter gradients: priced so."""

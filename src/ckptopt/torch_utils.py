@@ -101,7 +101,12 @@ def storage_nbytes(t: torch.Tensor) -> int:
 
 def storage_identity(t: torch.Tensor) -> int:
     """A key of the tensor's storage: its address for real memory; for meta storages (which all
-    have address 0) the storage itself; for fake ones the storage object."""
+    have address 0) the storage itself; for fake ones the storage object. A functorch wrapper (a
+    ``vmap`` level's BatchedTensor, which transformers' mask functions leave among a capture's
+    values) has no storage of its own: the tensor it wraps is asked."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
     if is_fake(t):
         return id(t.untyped_storage())
     if t.is_meta:
