@@ -122,7 +122,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     with fake_mode, torch.enable_grad():
         for j, b in enumerate(built):
             m = _measure(j, b, streams, layers[-1].costs if layers else None, values, param_owner, len(built),
-                         rank=[found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
+                         found=found)
             found.note(j, b, streams.io[j], m)
             name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
             io = streams.io[j]
@@ -162,12 +162,11 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
             return (shared, _held_pending(j, streams.io[j], side), _out_grad_layout(j, layers, grad_store), pending,
                     _chain_output_gets_a_gradient(j, built, layers, values), side_out_grad,
-                    _output_grad_outlives(j, side, grad_root), _lone_side_grad_layout(j, streams, layers, side, shared),
-                    [found._may_be_held(streams, t, j) for t in streams.io[j].side_in])
+                    _output_grad_outlives(j, side, grad_root), _lone_side_grad_layout(j, streams, layers, side, shared))
 
         def measure_again(j: int, args: tuple) -> None:
             m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                         *args)
+                         *args, found=found)
             found.note(j, built[j], streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
             layers[j] = dataclasses.replace(layers[j], costs=m)
             held_out[j] = args[6]
@@ -214,10 +213,12 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
              out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
-             side_layout: tuple | None = None, rank: list | None = None) -> LayerMeasurement:
-    """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`); ``rank``: per side input, how
-    likely a plan holds it elsewhere (the order its dying gains are given in)."""
+             side_layout: tuple | None = None, found: "_Found | None" = None) -> LayerMeasurement:
+    """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`); ``found``: what the layers
+    measured so far showed, which ranks each side input by how likely a plan holds it elsewhere (the
+    order its dying gains are given in)."""
     io = streams.io[j]
+    rank = [found._may_be_held(streams, t, j) for t in io.side_in] if found is not None else []
     x = values[b.x_node] if b.x_node is not None else None
     # a tied or reused weight whose gradient a later layer already created
     existing = [p for p in b.module.parameters() if p.requires_grad and param_owner[id(p)] > j]
@@ -238,7 +239,7 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
                                     [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
                       side_last=[streams.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
-                      shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank or ())
+                      shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
                              hold_out_grad=hold_out, side_out_grad_layout=side_layout,
                              static_input=bool(previous is not None and previous.out_static), **kw)
