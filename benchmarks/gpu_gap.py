@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+from _common import cases_in_processes  # noqa: E402
 
 
 def _load(name: str, device: str, scale: int = 1):
@@ -174,32 +172,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--batch-scale", type=int, default=1, help="a gpu_models.py model's batch times K (default 1)")
     args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    procs = []
-    for case in args.cases:
-        name, plan = case.split(":")
-        path = os.path.join(args.out_dir, f"gap_{name}_{plan}.json")
-        procs.append((case, path, time.perf_counter(), subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", name, plan, args.device, path,
-             str(args.batch_scale)], env=env)))
-    for case, path, t0, p in procs:
-        try:
-            p.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            print(case, "timeout", flush=True)
-            continue
-        try:
-            with open(path) as fh:
-                r = json.load(fh)
-        except (OSError, ValueError):
-            print(case, "no result, exit", p.returncode, flush=True)
-            continue
-        if "error" in r:
-            print(case, "ERROR", r["error"][:300], flush=True)
-            continue
+    for case, r in cases_in_processes(__file__, args.cases, args.out_dir, "gap", args.device, args.timeout,
+                                      (args.batch_scale,)):
         mib = 2 ** 20
         print(f"{case}: predicted {r.get('predicted_peak_bytes', 0) / mib:.1f} tracker {r['tracker_peak_bytes'] / mib:.1f}"
               f" allocated {r['allocated_peak_bytes'] / mib:.1f} MiB; start allocated {r['start_allocated'] / mib:.1f}"

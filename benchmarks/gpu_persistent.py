@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+from _common import cases_in_processes  # noqa: E402
 
 
 def _frames(block: dict, keep: int = 14) -> list[str]:
@@ -94,31 +93,7 @@ def main() -> None:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="2")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    procs = []
-    for case in args.cases:
-        name, way = case.split(":")
-        path = os.path.join(args.out_dir, f"persistent_{name}_{way}.json")
-        procs.append((case, path, subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--child", name, way, args.device, path], env=env)))
-    for case, path, p in procs:
-        try:
-            p.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            print(case, "timeout", flush=True)
-            continue
-        try:
-            with open(path) as fh:
-                r = json.load(fh)
-        except (OSError, ValueError):
-            print(case, "no result, exit", p.returncode, flush=True)
-            continue
-        if "error" in r:
-            print(case, "ERROR", r["error"][:300], flush=True)
-            continue
+    for case, r in cases_in_processes(__file__, args.cases, args.out_dir, "persistent", args.device, args.timeout):
         print(f"{case}: workspace {r['workspace_bytes']:,} B; left after one step {r['left_after_one_step']:,} B, "
               f"after two {r['left_after_two_steps']:,} B; {len(r['blocks'])} blocks allocated while recording "
               "and alive", flush=True)
