@@ -150,9 +150,9 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         held_out: dict[int, bool] = {}  # (whether each layer was measured with its output gradient held)
         # last layer first: a layer's output gradient is laid out as the next layer's backward hands
         # it out, which depends on how that layer's own output gradient is laid out
-        def how(j: int) -> tuple:
-            """The arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and held,
-            from the side tensors as they stand."""
+        def how(j: int) -> dict:
+            """The keyword arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and
+            held, from the side tensors as they stand."""
             shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
             # a side input is pending when a later consumer's backward adds to its gradient, not when
             # one only reads it (a dead branch, a size): then this layer's contribution is the first,
@@ -160,23 +160,24 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
             pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
             # a side output no later layer hands a gradient (read only by dead ops) gets none
             side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
-            return (shared, _held_pending(j, streams.io[j], side), _out_grad_layout(j, layers, grad_store), pending,
-                    _chain_output_gets_a_gradient(j, built, layers, values), side_out_grad,
-                    _output_grad_outlives(j, side, grad_root), _lone_side_grad_layout(j, streams, layers, side, shared))
+            return dict(shared=shared, held=_held_pending(j, streams.io[j], side),
+                        layout=_out_grad_layout(j, layers, grad_store), pending=pending,
+                        out_grad=_chain_output_gets_a_gradient(j, built, layers, values), side_out_grad=side_out_grad,
+                        hold_out=_output_grad_outlives(j, side, grad_root),
+                        side_layout=_lone_side_grad_layout(j, streams, layers, side, shared))
 
-        def measure_again(j: int, args: tuple) -> None:
+        def measure_again(j: int, args: dict) -> None:
             m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                         *args, found=found)
+                         found=found, **args)
             found.note(j, built[j], streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
             layers[j] = dataclasses.replace(layers[j], costs=m)
-            held_out[j] = args[6]
+            held_out[j] = args["hold_out"]
 
         for j in reversed(range(len(built))):
             args = how(j)
-            shared, held, layout, pending, out_grad, side_out_grad, hold_out = args[:7]
             read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
-            if (shared or any(held) or layout or pending != read_later or not out_grad or not all(side_out_grad)
-                    or hold_out):
+            if (args["shared"] or any(args["held"]) or args["layout"] or args["pending"] != read_later
+                    or not args["out_grad"] or not all(args["side_out_grad"]) or args["hold_out"]):
                 measure_again(j, args)
                 again = True
         if again:
