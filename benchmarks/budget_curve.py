@@ -25,24 +25,19 @@ the plan is applied and one training step is run on fake tensors with the exact
 storage tracker (``ckptopt.measure_peak(..., checkpoints=plan, fake=True)``),
 which counts the same bytes as a real CPU run without allocating.
 
-Writes ``benchmarks/results/budget_curve.json`` and ``budget_curve.png``.
-Run: ``python benchmarks/budget_curve.py``.
+Writes ``benchmarks/results/budget_curve/latest.json`` and ``latest.png``.
+Run: ``python -m benchmarks.budget_curve``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
 
-import torch  # noqa: E402
-
-from _common import run_metadata  # noqa: E402
-from ckptopt import Plan, measure_peak, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.solvers import pareto_front  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import Plan, measure_peak, simulate, solve, trace, zoo
+from ckptopt.solvers import pareto_front
 
 MODELS = {
     "resnet50": ("resnet50", dict(batch_size=8, input_size=96)),
@@ -52,7 +47,6 @@ MODELS = {
     "gpt": ("gpt", dict(batch_size=8, input_size=256, depth=6, width=128, heads=4, seq_len=256, vocab=1000)),
     "mlp@2048": ("mlp", dict(batch_size=2048, width=1024, depth=24)),
 }
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def run_model(name: str) -> dict:
@@ -132,7 +126,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = ap.parse_args(argv)
-    os.makedirs(OUT, exist_ok=True)
     results = {}
     for name in args.models:
         results[name] = r = run_model(name)
@@ -142,9 +135,8 @@ def main(argv=None) -> int:
               f"(none {r['none_peak_bytes']/2**20:.1f}); share {r['points'][0]['recompute_share']*100:.1f}%..0; "
               f"predicted-measured {[p - m for p, m in meas]} B", flush=True)
     data = dict(meta=run_metadata("budget_curve"), results=results)
-    with open(os.path.join(OUT, "budget_curve.json"), "w") as fh:
-        json.dump(data, fh, indent=1)
-    plot(results, os.path.join(OUT, "budget_curve.png"))
+    write_json(result_path("budget_curve"), data)
+    plot(results, result_path("budget_curve", suffix=".png"))
     print("| model | n | Pareto points (checkpoint-only) | front time | lowest peak (recompute share) "
           "| dp2 peak (share) | no checkpointing | mid budget | share at mid budget: checkpoint-only / with stored "
           "| measured - predicted |")

@@ -1,6 +1,6 @@
 """Peak memory of one training step: eager against torch.compile, with and without ckptopt.
 
-    python benchmarks/compile_memory.py            # -> benchmarks/results/compile_memory.json
+    python -m benchmarks.compile_memory            # -> benchmarks/results/compile_memory/latest.json
 
 Four modules (the unmodified model and the ckptopt-rewritten one, each eager
 and compiled) are measured two ways:
@@ -17,7 +17,7 @@ and compiled) are measured two ways:
   minus whatever the step frees that was allocated before it, e.g. old
   gradients, which are cleared first).
 
-What it showed on this machine (torch 2.13 CPU, results/compile_memory.json):
+What it showed on this machine (torch 2.13 CPU, results/compile_memory/latest.json):
 eager and ``aot_eager`` give the same tracker peak to the byte and the same
 number of ops (214), and the eager ckptopt peak equals its prediction to 8
 bytes; with a dispatch mode active the compiled call may well run its eager
@@ -31,21 +31,18 @@ place to add that measurement.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_metadata  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import optimize_checkpoints
+from ckptopt.measure import StorageTracker
 
-from ckptopt import optimize_checkpoints  # noqa: E402
-from ckptopt.measure import StorageTracker  # noqa: E402
-
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compile_memory.json")
+OUT = result_path("compile_memory")
 
 
 def make_model(width=256, depth=8):
@@ -96,7 +93,8 @@ def profiler_peak(module, model, x) -> dict:
     return {"peak_above_start_bytes": int(peak), "allocator_events": len(events)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.strip().split("\n")[0]).parse_args(argv)  # (no options: --help)
     x = torch.randn(512, 64)
     results = []
     for label, ckpt in (("unmodified", False), ("ckptopt", True)):
@@ -120,9 +118,7 @@ def main() -> None:
             print(json.dumps(row))
     static = sum(p.numel() * 4 for p in make_model().parameters()) + x.numel() * 4
     out = dict(run_metadata("compile_memory"), input_shape=list(x.shape), static_bytes=static, results=results)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(OUT, out)
     print("wrote", OUT)
 
 

@@ -17,29 +17,24 @@ CPU tensors:
    interleaved rounds, against no checkpointing: the measured overhead beside
    the predicted ``recompute_share`` (recomputed compute / 3 x forward).
 
-Writes ``benchmarks/results/compute_cost.json`` and prints a table.
-Run: ``python benchmarks/compute_cost.py [--rounds 7]``. Timing on a shared
+Writes ``benchmarks/results/compute_cost/latest.json`` and prints a table.
+Run: ``python -m benchmarks.compute_cost [--rounds 7]``. Timing on a shared
 2-core machine is noisy: medians of interleaved runs, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+import numpy as np
+import torch
+import torch.fx as fx
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.fx as fx  # noqa: E402
-
-from _common import run_metadata  # noqa: E402
-from ckptopt import apply_plan, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.simulator import recomputed_layers  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import apply_plan, simulate, solve, trace, zoo
+from ckptopt.simulator import recomputed_layers
 
 MODELS = {
     "resnet18": ("resnet18", dict(batch_size=8, input_size=64)),
@@ -48,7 +43,6 @@ MODELS = {
     "mlp": ("mlp", dict(batch_size=1024, width=512, depth=12)),
 }
 PLANS = ("none", "sqrt", "dp2", "every")
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 class _NodeTimer(fx.Interpreter):
@@ -139,9 +133,8 @@ def main(argv=None) -> int:
     for name in args.models:
         results[name] = r = run_model(name, args.rounds)
         print(f"{name}: n={r['n']} spearman(c, time)={r['spearman_c_vs_time']:.2f}", flush=True)
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "compute_cost.json"), "w") as fh:
-        json.dump(dict(meta=run_metadata("compute_cost"), rounds=args.rounds, results=results), fh, indent=1)
+    write_json(result_path("compute_cost"), dict(meta=run_metadata("compute_cost"), rounds=args.rounds,
+                                                 results=results))
     print("| model | plan | re-run share of forward: predicted (c) | measured (layer times) "
           "| recompute share of step (predicted) | step overhead (measured) |")
     print("|---|---|---|---|---|---|")

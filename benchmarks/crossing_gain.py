@@ -8,30 +8,24 @@ on a fake-tensor copy of the rewritten model under the exact storage tracker
 solve seconds, predicted and measured peaks (the 8 bytes of the scalar loss and its gradient are
 the only expected difference) and the gain of the default over single-tensor cuts.
 
-    python benchmarks/crossing_gain.py [--quick]
+    python -m benchmarks.crossing_gain [--quick]
 
-writes benchmarks/results/crossing_gain.json and prints one line per model.
+writes benchmarks/results/crossing_gain/latest.json (``--quick``: ``latest-quick.json``) and prints one
+line per model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import run_metadata  # noqa: E402
-
-from ckptopt import Plan, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.measure import measure_plans_fake  # noqa: E402
-from ckptopt.tracer.cuts import MAX_CROSSING  # noqa: E402
-from tests.test_dag_exactness import CASES  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import Plan, simulate, solve, trace, zoo
+from ckptopt.measure import measure_plans_fake
+from ckptopt.tracer.cuts import MAX_CROSSING
+from tests.test_dag_exactness import CASES
 
 SMALL = ("resnet-like", "densenet-like", "unet-like", "gpt")
 ZOO = {
@@ -74,7 +68,7 @@ def row(name: str, model, inputs, loss_fn=None, **extra) -> dict:
 
 
 def hf_model(name: str):
-    from hf_sweep import build
+    from benchmarks.hf_sweep import build
 
     task = {"T5ForConditionalGeneration": "seq2seq", "BartForConditionalGeneration": "seq2seq",
             "CLIPForImageClassification": "image"}.get(name, "causal")
@@ -85,8 +79,10 @@ def hf_model(name: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the small DAGs only")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "crossing_gain.json"))
+    ap.add_argument("--out", help="default benchmarks/results/crossing_gain/latest.json (latest-quick.json with "
+                    "--quick)")
     args = ap.parse_args()
+    args.out = args.out or result_path("crossing_gain", "quick" if args.quick else None)
     rows = []
     for name in SMALL:
         torch.manual_seed(0)
@@ -100,11 +96,9 @@ def main() -> None:
         for name in HF:
             torch.manual_seed(0)
             model, batch = hf_model(name)  # the model's own loss (the batch carries labels)
-            rows.append(row(f"hf:{name}", model, batch, None, config="benchmarks/hf_sweep.py scale"))
+            rows.append(row(f"hf:{name}", model, batch, None, config="benchmarks.hf_sweep scale"))
     result = dict(run_metadata("crossing_gain"), max_crossing=MAX_CROSSING, rows=rows)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(result, fh, indent=1)
+    write_json(args.out, result)
     print("wrote", args.out)
 
 

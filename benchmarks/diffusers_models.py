@@ -17,8 +17,8 @@ Three diffusers models built from config objects (no weights, no network), ``tra
 The loss is the user's: ``loss_fn = lambda out: out.sample.float().pow(2).mean()`` (the validation
 loss of docs/design.md §2; a diffusion loss, MSE against the noise, holds the same tensors).
 
-Four ways to train each (and a diagnostic fifth), every one in a fresh Python process (this script
-with ``--child``):
+Four ways to train each (and a diagnostic fifth), every one in a fresh Python process
+(``harness.run_child``):
 
 * ``none``: the model as it is;
 * ``diffusers``: ``model.enable_gradient_checkpointing()`` (diffusers' default: non-reentrant
@@ -43,27 +43,23 @@ plan, the layer where the predicted peak falls, and whether the planned module t
 unmodified model: one step of each (a fresh build, same seed; ``torch.manual_seed`` right before
 each forward) compared on the loss and every parameter gradient.
 
-Writes ``benchmarks/results/diffusers_models.json`` (``--out``) after every model and prints a
-markdown table. Run: ``python benchmarks/diffusers_models.py`` (about 8 minutes on 2 CPU cores, most
+Writes ``benchmarks/results/diffusers_models/latest.json`` (``--out``) after every model and prints a
+markdown table. Run: ``python -m benchmarks.diffusers_models`` (about 8 minutes on 2 CPU cores, most
 of it the UNet; ``--only AutoencoderKL,SD3Transformer2DModel`` for some models).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import (child_args, child_record, result_path, run_child, run_metadata,
+                                same_training as _same_training, shapes, write_json)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WAYS = ("none", "diffusers", "ckptopt", "ckptopt-budget")
 #: A diagnostic way, run only for a model whose default trace fell back to fewer crossing tensors
 #: (``trace`` halves ``max_crossing`` when a work-capped trial of the side-tensor program does not
@@ -130,9 +126,6 @@ def make_batch(name: str, batch: int = BATCH) -> dict:
     raise ValueError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}")
 
 
-def _shapes(batch: dict) -> dict:
-    return {k: list(v.shape) for k, v in batch.items()}
-
 
 # --------------------------------------------------------------------------
 # FLOPs of a step (the recomputation: step FLOPs minus the unmodified step's)
@@ -174,31 +167,9 @@ def step_flops(module, batch: dict) -> dict:
 # --------------------------------------------------------------------------
 # one case, in a fresh process
 # --------------------------------------------------------------------------
-def _one_step(model, batch: dict, seed: int = 1234):
-    """Loss and gradients of one training step, ``torch.manual_seed(seed)`` right before the forward."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = loss_fn(model(**batch))
-    loss.backward()
-    grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def same_training(opt, name: str, batch: dict) -> dict:
     """One step of ``opt`` against one step of a fresh unmodified build (same seed, same batch)."""
-    import torch
-
-    ref = build_model(name)
-    ref_params = dict(ref.named_parameters())
-    params_equal = all(torch.equal(p, ref_params[k]) for k, p in opt.named_parameters() if k in ref_params)
-    la, ga = _one_step(opt, batch)
-    lb, gb = _one_step(ref, batch)
-    from _common import compare_steps
-
-    return {**compare_steps(la, ga, lb, gb), "params_equal_before": params_equal}
+    return _same_training(opt, build_model(name), batch, loss_fn)
 
 
 def _peak_op(timeline) -> dict | None:
@@ -242,7 +213,7 @@ def run_case(name: str, way: str, budget: int | None) -> dict:
     t0 = time.perf_counter()
     model = build_model(name)
     batch = make_batch(name)
-    rec.update(batch=_shapes(batch), params=sum(p.numel() for p in model.parameters()))
+    rec.update(batch=shapes(batch), params=sum(p.numel() for p in model.parameters()))
     if way == "none":
         module = model
     elif way == "diffusers":
@@ -283,37 +254,12 @@ def run_case(name: str, way: str, budget: int | None) -> dict:
     return rec
 
 
-def _child(name: str, way: str, budget: int | None, path: str) -> None:
-    warnings.filterwarnings("ignore")
-    try:
-        rec = run_case(name, way, budget)
-    except BaseException as exc:  # noqa: BLE001 - a failing case is recorded
-        rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000],
-                   traceback=traceback.format_exc()[-4000:])
-    with open(path, "w") as fh:
-        json.dump(rec, fh, default=str)
-
-
 def run_isolated(name: str, way: str, budget: int | None, timeout: float) -> dict:
-    fd, path = tempfile.mkstemp(prefix="diffusers_models_", suffix=".json")
-    os.close(fd)
-    t0 = time.perf_counter()
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, str(budget or 0), path]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True)
-        rc, tail = proc.returncode, proc.stdout[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        rc, tail = None, (out.decode(errors="replace") if isinstance(out, bytes) else out)[-2000:]
-    try:
-        with open(path) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        what = f"timeout after {timeout:.0f} s" if rc is None else f"process exited with code {rc}"
-        rec = dict(model=name, way=way, error=what, output_tail=tail)
-    finally:
-        os.unlink(path)
-    rec["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    """One case in a fresh process: its record, or why there is none."""
+    child = run_child("benchmarks.diffusers_models", [name, way, budget or 0], timeout=timeout)
+    rec = child.record if child.record is not None else dict(model=name, way=way, error=child.failure,
+                                                             output_tail=child.output)
+    rec["wall_seconds"] = round(child.seconds, 2)
     return rec
 
 
@@ -384,14 +330,16 @@ def _table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _, _, name, way, budget, path = sys.argv
-        _child(name, way, int(budget) or None, path)
+    child = child_args()
+    if child:
+        path, (name, way, budget) = child
+        warnings.filterwarnings("ignore")
+        child_record(path, run_case, name, way, int(budget) or None, model=name, way=way)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated class names: " + ",".join(CONFIGS))
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per case (default 900)")
-    ap.add_argument("--out", default=os.path.join(OUT, "diffusers_models.json"))
+    ap.add_argument("--out", default=result_path("diffusers_models"))
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
@@ -399,8 +347,6 @@ def main() -> None:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(CONFIGS)}")
     warnings.filterwarnings("ignore")
     import diffusers
-
-    from _common import run_metadata
 
     meta = run_metadata("diffusers_models")
     meta.update(diffusers=diffusers.__version__, device="cpu", timeout_seconds=args.timeout, models=names,
@@ -411,9 +357,7 @@ def main() -> None:
         print(name, flush=True)
         results.append(run_model(name, args.timeout))
         meta["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, results=results), fh, indent=1, default=str)
+        write_json(args.out, dict(meta=meta, results=results))
     print()
     print(_table(results))
     for r in results:

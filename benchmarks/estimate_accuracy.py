@@ -7,27 +7,24 @@ training step with no checkpointing and with the optimal plan, and
 ``ckptopt.measure.measure_training_step`` measures it for real (exact CPU
 storage tracker; optimizer state allocated beforehand, as from the second
 iteration on). Target: |error| <= 5%. Writes
-``benchmarks/results/estimate_accuracy.json`` and prints a Markdown table.
+``benchmarks/results/estimate_accuracy/latest.json`` and prints a Markdown table.
 
-    python benchmarks/estimate_accuracy.py                  # all zoo models
-    python benchmarks/estimate_accuracy.py --models mlp gpt
+    python -m benchmarks.estimate_accuracy                  # all zoo models
+    python -m benchmarks.estimate_accuracy --models mlp gpt
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
-from pathlib import Path
 
-from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
-from prediction_accuracy import CONFIGS  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from benchmarks.prediction_accuracy import CONFIGS
 from ckptopt import zoo
 from ckptopt.measure import measure_training_step
 from ckptopt.planning import estimate
 
-OUT = Path(__file__).resolve().parent / "results"
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
 TARGET = 0.05
 
@@ -63,11 +60,9 @@ def main() -> None:
     for name in args.models:
         rows += run_model(name, CONFIGS[name][1])
     worst = max(abs(r["rel_error"]) for r in rows)
-    OUT.mkdir(exist_ok=True)
     out = dict(run_metadata("estimate_accuracy"), target_abs_rel_error=TARGET, max_abs_rel_error=worst,
                within_target=worst <= TARGET, rows=rows)
-    with open(OUT / "estimate_accuracy.json", "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_json(result_path("estimate_accuracy"), out)
     print(f"\nlargest |error|: {100 * worst:.4f}% (target {100 * TARGET:.0f}%)")
 
 

@@ -17,21 +17,22 @@ Two families of random models (``--family``, default ``all``: drawn in turn):
   towers joined at the end, an encoder output read by every decoder step, long skips), traced
   with ``trace``'s default cuts (several tensors per cut, docs/design.md §4).
 
-Writes
-``benchmarks/results/exactness_fuzz.json`` (every inexact case with its model spec, to
-replay with ``build(spec, seed)``; ``family`` and ``kind`` say which generator drew it) and
-prints a summary per family. The models are drawn by hypothesis' ``example()``, which is
+Writes ``benchmarks/results/exactness_fuzz/latest.json`` (a summary per family and every inexact
+case with its model spec, to replay with ``build(spec, seed)``; ``family`` and ``kind`` say which
+generator drew it) and prints the summary. The models are drawn by hypothesis' ``example()``, which is
 not seeded: each run sees other models::
 
-    python benchmarks/exactness_fuzz.py --minutes 10 --seed 0 --family stream
+    python -m benchmarks.exactness_fuzz --minutes 10 --seed 0 --family stream
 
-``--replay`` replays, on the current code, every model recorded as inexact in the given result
-files (a fuzz run's, or a replay's own output: the plans it found inexact; each spec and seed once) with its recorded plans and ``--plans`` random plans (seeded, no
-stored segments), and prints each model's inexact plans (measured minus predicted, the phase and
-layer the prediction peaks in); ``--out`` then gets one record per model::
+Every model a run finds inexact on some plan is added, with those plans, to
+``benchmarks/data/recorded_fuzz_models.json`` (``--no-record``: not). ``--replay`` replays, on the
+current code, every model recorded there (or, given result files, every model those recorded as
+inexact: a fuzz run's, or a replay's own output; each spec and seed once) with its recorded plans and
+``--plans`` random plans (seeded, no stored segments), and prints each model's inexact plans (measured
+minus predicted, the phase and layer the prediction peaks in); ``--out`` (default
+``benchmarks/results/exactness_fuzz/latest-replay.json``) gets one record per model::
 
-    python benchmarks/exactness_fuzz.py --replay benchmarks/results/exactness_fuzz_*.json --plans 24 \
-        --out benchmarks/results/exactness_fuzz_replay.json
+    python -m benchmarks.exactness_fuzz --replay --plans 24
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # tests.common.fuzz: the random-model generator
+from benchmarks.harness import DATA, result_path, run_metadata, write_json
+
+RECORDED = DATA / "recorded_fuzz_models.json"
 
 
 def plans_for(costs, n: int, rng: random.Random) -> set:
@@ -73,7 +74,47 @@ def _summary(rows: list, cases: list, errors: list) -> dict:
                 models_inexact=len({(c["spec"], c["seed"]) for c in cases}), errors=len(errors))
 
 
-def replay(paths: list, n_plans: int, out: str) -> int:
+def inexact_models(paths: list) -> dict:
+    """``{(spec, seed): dict(source=file name, plans={(n, checkpoints, stored), ...})}``: every model the
+    files record as inexact, with the plans it was inexact on. A file is the record of recorded models
+    (``recorded_models``), a fuzz run's result (``cases``) or a replay's (``models``, their ``inexact``
+    plans)."""
+    models: dict = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "recorded_models" in data:
+            for m in data["recorded_models"]:
+                plans = models.setdefault((m["spec"], m["seed"]), dict(source=m["source"], plans=set()))["plans"]
+                plans.update((n, tuple(cps), tuple(st)) for n, cps, st in m["plans"])
+            continue
+        cases = data["cases"] if "cases" in data else [
+            dict(spec=m["spec"], seed=m["seed"], n=m["n"], checkpoints=c["checkpoints"], stored=c["stored"])
+            for m in data["models"] for c in m["inexact"]]
+        for c in cases:
+            plans = models.setdefault((c["spec"], c["seed"]), dict(source=Path(path).name, plans=set()))["plans"]
+            plans.add((c["n"], tuple(c["checkpoints"]), tuple(c["stored"])))
+    return models
+
+
+def record_inexact(found: dict, source: str, path: Path = RECORDED) -> int:
+    """Add the models of ``found`` (as :func:`inexact_models` returns) to the record at ``path``, each
+    spec and seed once, their plans merged; returns how many models were new."""
+    data = json.loads(path.read_text()) if path.exists() else dict(recorded_models=[])
+    index = {(m["spec"], m["seed"]): m for m in data["recorded_models"]}
+    new = 0
+    for (spec, seed), info in found.items():
+        m = index.get((spec, seed))
+        if m is None:
+            m = index[(spec, seed)] = dict(seed=seed, source=source, plans=[], spec=spec)
+            data["recorded_models"].append(m)
+            new += 1
+        plans = {(n, tuple(cps), tuple(st)) for n, cps, st in m["plans"]} | info["plans"]
+        m["plans"] = [[n, list(cps), list(st)] for n, cps, st in sorted(plans)]
+    write_json(path, data)
+    return new
+
+
+def replay(paths: list, n_plans: int, out: str, record: bool = True) -> int:
     """``--replay``: each inexact model of ``paths`` on the current code (see the module docstring)."""
     warnings.filterwarnings("ignore")
     from ckptopt import Plan, apply_plan, simulate
@@ -81,16 +122,9 @@ def replay(paths: list, n_plans: int, out: str) -> int:
     from ckptopt.tracer import trace
     from tests.common.fuzz import Node, Spec, build  # noqa: F401 (Node and Spec: the recorded reprs)
 
-    models: dict = {}
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        # (a replay's own output: its models' inexact plans, as cases)
-        cases = data["cases"] if "cases" in data else [
-            dict(spec=m["spec"], seed=m["seed"], n=m["n"], checkpoints=c["checkpoints"], stored=c["stored"])
-            for m in data["models"] for c in m["inexact"]]
-        for c in cases:
-            plans = models.setdefault((c["spec"], c["seed"]), dict(source=Path(path).name, plans=set()))["plans"]
-            plans.add((c["n"], tuple(c["checkpoints"]), tuple(c["stored"])))
+    models = inexact_models(paths)
+    print(f"replaying {len(models)} models", flush=True)
+    meta = run_metadata("exactness_fuzz")
     records = []
     for (spec_repr, seed), info in models.items():
         model, x = build(eval(spec_repr), seed=seed)
@@ -116,9 +150,10 @@ def replay(paths: list, n_plans: int, out: str) -> int:
               f"  (under {sum(c['gap'] > 8 for c in inexact)}, worst {worst:+d} B)", flush=True)
         records.append(dict(seed=seed, source=info["source"], n=tm.n, plans=len(todo), inexact=inexact,
                             spec=spec_repr))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(dict(replayed=paths, plans_per_model=n_plans, models=records), indent=1))
+    write_json(out, dict(meta=meta, replayed=[str(p) for p in paths], plans_per_model=n_plans, models=records))
     print(f"{len(records)} models, {sum(not r['inexact'] for r in records)} exact on every plan replayed")
+    if record:
+        record_inexact(inexact_models([out]), Path(out).name)
     return 0
 
 
@@ -128,15 +163,20 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", choices=("all", "chain", "stream"), default="all",
                     help="which generator draws the models: specs() (chain), stream_specs() (stream), or both in turn")
-    ap.add_argument("--out", help="default benchmarks/results/exactness_fuzz.json (exactness_fuzz_replay.json "
+    ap.add_argument("--out", help="default benchmarks/results/exactness_fuzz/latest.json (latest-replay.json "
                     "with --replay)")
-    ap.add_argument("--replay", nargs="+", metavar="JSON", help="replay the inexact models of these result files")
+    ap.add_argument("--replay", nargs="*", metavar="JSON",
+                    help="replay every recorded inexact model (benchmarks/data/recorded_fuzz_models.json), or the "
+                    "inexact models of the result files given")
     ap.add_argument("--plans", type=int, default=24, help="random plans per replayed model (default 24)")
+    ap.add_argument("--no-record", dest="record", action="store_false",
+                    help="do not add the inexact models found to benchmarks/data/recorded_fuzz_models.json")
     args = ap.parse_args(argv)
-    results = ROOT / "benchmarks" / "results"
-    if args.replay:
-        return replay(args.replay, args.plans, args.out or str(results / "exactness_fuzz_replay.json"))
-    args.out = args.out or str(results / "exactness_fuzz.json")
+    if args.replay is not None:
+        return replay(args.replay or [str(RECORDED)], args.plans, args.out or result_path("exactness_fuzz", "replay"),
+                      args.record)
+    args.out = args.out or result_path("exactness_fuzz")
+    meta = run_metadata("exactness_fuzz")
     warnings.filterwarnings("ignore")
     import hypothesis
 
@@ -186,11 +226,12 @@ def main(argv=None) -> int:
         kinds = sorted({c["kind"] for c in cases[f]})
         summary[f]["inexact_by_kind"] = {k: sum(1 for c in cases[f] if c["kind"] == k) for k in kinds}
     summary["run"] = dict(minutes=args.minutes, seed=args.seed, family=args.family)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(dict(summary=summary, cases=[c for f in families for c in cases[f]],
-                                              errors=[dict(e, family=f) for f in families for e in errors[f]]),
-                                         indent=1))
+    write_json(args.out, dict(meta=meta, summary=summary, cases=[c for f in families for c in cases[f]],
+                              errors=[dict(e, family=f) for f in families for e in errors[f]]))
     print(json.dumps(summary, indent=1))
+    if args.record:
+        new = record_inexact(inexact_models([args.out]), Path(args.out).name)
+        print(f"{new} inexact models added to {RECORDED.relative_to(RECORDED.parents[2])}")
     return 0
 
 

@@ -23,8 +23,8 @@ steps (median of ``on_step_begin`` .. ``on_step_end``; the machine is shared, so
 one run matter, not the seconds). For ckptopt, the forward + backward peak it predicted is
 checked against ``measure_peak`` of the same call.
 
-Run: ``python benchmarks/finetune_stack.py`` (about 5 minutes on 2 cores; ``--quick``: one
-architecture); writes ``benchmarks/results/finetune_stack.json``.
+Run: ``python -m benchmarks.finetune_stack`` (about 5 minutes on 2 cores; ``--quick``: one
+architecture, written to ``latest-quick.json``); writes ``benchmarks/results/finetune_stack/latest.json``.
 """
 
 from __future__ import annotations
@@ -38,15 +38,9 @@ import tempfile
 import time
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
-sys.path.insert(0, HERE)
+import torch
 
-import torch  # noqa: E402
-
-from _common import run_metadata  # noqa: E402
-
-OUT = os.path.join(HERE, "results")
+from benchmarks.harness import result_path, run_metadata, write_json
 
 ARCHS = {
     "llama": ("LlamaForCausalLM", "LlamaConfig",
@@ -177,10 +171,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--timed", type=int, default=3, help="timed steps per run (median)")
     ap.add_argument("--quick", action="store_true", help="Llama only")
-    ap.add_argument("--out", default=os.path.join(OUT, "finetune_stack.json"))
+    ap.add_argument("--out", help="default benchmarks/results/finetune_stack/latest.json (latest-quick.json with "
+                    "--quick)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of --out for the architectures not run now (each row keeps its command)")
     args = ap.parse_args(argv)
+    args.out = args.out or result_path("finetune_stack", "quick" if args.quick else None)
     archs = ["llama"] if args.quick else args.archs
     rows = []
     for arch in archs:
@@ -214,9 +210,7 @@ def main(argv=None) -> int:
             kept = [r for r in json.load(f)["rows"] if (r["arch"], r["mode"]) not in {(a, m) for a in archs
                                                                                      for m in args.modes}]
         rows = kept + rows
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, batch=args.batch, seq=args.seq, rows=rows), f, indent=1)
+    write_json(args.out, dict(meta=meta, batch=args.batch, seq=args.seq, rows=rows))
     print(f"wrote {args.out}")
     return 0
 

@@ -7,26 +7,20 @@ shapes are the published configurations of Llama-3-8B and -70B, Qwen2.5-32B and
 Mixtral-8x7B; a second table traces the 8B shape at 4 to 32 layers (tracing time against
 layer count, and the layers the tracer cut them into).
 
-    python benchmarks/full_size.py [--quick]
+    python -m benchmarks.full_size [--quick]
 
-writes benchmarks/results/full_size.json. ``--quick``: the 8B shape only.
+writes benchmarks/results/full_size/latest.json. ``--quick``: the 8B shape only (``latest-quick.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from _common import run_metadata  # noqa: E402
-
-OUT = os.path.join(HERE, "results")
+from benchmarks.harness import child_env, result_path, run_metadata, write_json
 
 LLAMA3 = dict(vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0)
 SHAPES = {
@@ -53,7 +47,7 @@ def run_case(cls: str, config: dict, batch: int, seq: int, device: str, timeout:
         args += ["--config", f"{k}={v}"]
     args += ["--batch", str(batch), "--seq", str(seq), "--dtype", "bf16", "--optimizer", "adamw", "--json",
              "--device", device]
-    env = dict(os.environ, PYTHONPATH=os.path.join(HERE, "..", "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(src_first=True)
     t = time.perf_counter()
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
@@ -80,8 +74,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="the device planned for (default cuda: no GPU needed)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(OUT, "full_size.json"))
+    ap.add_argument("--out", help="default benchmarks/results/full_size/latest.json (latest-quick.json with --quick)")
     args = ap.parse_args(argv)
+    args.out = args.out or result_path("full_size", "quick" if args.quick else None)
     rows, scaling = [], []
     for name, (cls, cfg) in SHAPES.items():
         if args.quick and name != "llama3-8b":
@@ -97,10 +92,7 @@ def main(argv=None) -> int:
                               args.timeout))
         scaling.append(row)
         print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=run_metadata("full_size"), device=args.device, rows=rows, layer_scaling=scaling), f,
-                  indent=1)
+    write_json(args.out, dict(meta=run_metadata("full_size"), device=args.device, rows=rows, layer_scaling=scaling))
     print(f"wrote {args.out}")
     return 0
 

@@ -15,25 +15,21 @@ same code at CPU sizes, where there is no allocator and both predictions are exa
 
 Every case runs in a fresh process (leftover tensors and allocator state of an earlier
 case would inflate ``max_memory_allocated``). Writes
-``benchmarks/results/gpu_accuracy[_small].json`` and prints Markdown tables.
+``benchmarks/results/gpu_accuracy/latest.json`` (``--small``: ``latest-small.json``) and prints
+Markdown tables.
 
-    PYTHONPATH=src python benchmarks/gpu_accuracy.py --device cuda
-    PYTHONPATH=src python benchmarks/gpu_accuracy.py --device cuda --models resnet50 gpt --no-max-batch
-    python benchmarks/gpu_accuracy.py --small        # CPU smoke run
+    python -m benchmarks.gpu_accuracy --device cuda
+    python -m benchmarks.gpu_accuracy --device cuda --models resnet50 gpt --no-max-batch
+    python -m benchmarks.gpu_accuracy --small        # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-OUT = os.path.join(os.path.dirname(__file__), "results")
+from benchmarks.harness import child_args, child_env, child_record, result_path, run_child, write_json
 
 #: model -> (load spec, keyword arguments) at the sizes GPU_MEASUREMENTS.md measured
 GPU_SIZES = {
@@ -191,15 +187,11 @@ def train_case(spec: str, kw: dict, batch: int, cps, st, memory_bytes: int, devi
 # the driver
 # --------------------------------------------------------------------------
 def _child(payload: dict, timeout: int = 900) -> dict:
-    env = dict(os.environ)
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(payload)], capture_output=True, text=True,
-                          env=env, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        return dict(error=(proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"])
-    return json.loads(lines[-1])
+    """One case in a fresh process (``src/`` first on the path): its record, or why there is none."""
+    child = run_child("benchmarks.gpu_accuracy", [json.dumps(payload)], timeout=timeout, env=child_env(src_first=True))
+    if child.record is None:
+        return dict(error=child.failure, output_tail=child.output[-500:])
+    return child.record
 
 
 def _run_child(payload: dict) -> dict:
@@ -214,14 +206,16 @@ def _run_child(payload: dict) -> dict:
 
 
 def _write(results: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(results, fh, indent=1)
+    write_json(path, results)
 
 
 def main(argv=None) -> int:
+    child = child_args(argv)
+    if child:
+        path, (payload,) = child
+        child_record(path, _run_child, json.loads(payload))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="CPU sizes (a smoke run of the same code)")
     ap.add_argument("--models", nargs="+", help="subset of the peak models")
@@ -231,19 +225,17 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-output", action="store_true",
                     help="max batch for, and trained with, a loop that keeps the model's output (keep_output=True)")
     ap.add_argument("--no-peaks", action="store_true")
-    ap.add_argument("--out", help="the JSON written after every case (default benchmarks/results/gpu_accuracy[_small].json)")
+    ap.add_argument("--out", help="the JSON written after every case (default "
+                    "benchmarks/results/gpu_accuracy/latest.json; latest-small.json with --small)")
     args = ap.parse_args(argv)
-    if args.child:
-        print(json.dumps(_run_child(json.loads(args.child))))
-        return 0
     device = "cpu" if args.small else args.device
     args.memory = args.memory or ("64MiB" if args.small else "8GiB")
     sizes = SMALL_SIZES if args.small else GPU_SIZES
     models = args.models or list(sizes)
-    from _common import run_metadata
+    from benchmarks.harness import run_metadata
 
-    results = dict(meta=run_metadata("gpu_accuracy"), device=device, peaks={}, max_batch={})
-    path = args.out or os.path.join(OUT, "gpu_accuracy_small.json" if args.small else "gpu_accuracy.json")
+    results = dict(meta=run_metadata("gpu_accuracy", device), device=device, peaks={}, max_batch={})
+    path = args.out or result_path("gpu_accuracy", "small" if args.small else None)
     if not args.no_peaks:
         for name in models:
             spec, kw = sizes[name]

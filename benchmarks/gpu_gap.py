@@ -15,24 +15,20 @@ Writes one JSON per case (``--out-dir``): the prediction, the tracker's peak, th
 allocated peak, the op where each peaks, the per-op series, and the ops where the
 allocator's peak inside an op exceeds the tracker's live bytes most.
 
-    PYTHONPATH=src python benchmarks/gpu_gap.py --out-dir /tmp/gap GPTNeoXForCausalLM:ckptopt hf-llama:none
+    python -m benchmarks.gpu_gap --out-dir /tmp/gap GPTNeoXForCausalLM:ckptopt hf-llama:none
+
+(Its printed report is the record to keep: ``benchmarks/results/gpu_gap/latest-<label>.log``.)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cases_in_processes  # noqa: E402
+from benchmarks.harness import cases_in_processes, child_args, child_record, to_device
 
 
 def _load(name: str, device: str, scale: int = 1):
-    import gpu_accuracy
-    import gpu_models
+    from benchmarks import gpu_accuracy, gpu_models
 
     if "@" in name:  # a max-batch model of gpu_accuracy.py at a given batch: "gpt@48"
         from ckptopt.planning import with_batch
@@ -45,7 +41,7 @@ def _load(name: str, device: str, scale: int = 1):
         suite = gpu_models.MODELS[name]
         batch = (suite.make_batch(name, gpu_models._default_batch(suite, name) * scale) if scale != 1
                  else suite.make_batch(name))
-        return suite.build_model(name).to(device), gpu_models._to(batch, device), gpu_models._loss_fn(name)
+        return suite.build_model(name).to(device), to_device(batch, device), gpu_models._loss_fn(name)
     spec, kw = gpu_accuracy.GPU_SIZES[name]
     return gpu_accuracy._load(spec, kw, device)
 
@@ -153,15 +149,10 @@ def run_case(name: str, plan: str, device: str, scale: int = 1) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        name, plan, device, path, scale = sys.argv[2:7]
-        try:
-            rec = run_case(name, plan, device, int(scale))
-        except BaseException as exc:  # noqa: BLE001 - recorded
-            rec = dict(model=name, plan=plan, error=f"{type(exc).__name__}: {exc}"[:2000],
-                       traceback=traceback.format_exc()[-4000:])
-        with open(path, "w") as fh:
-            json.dump(rec, fh)
+    child = child_args()
+    if child:
+        path, (name, plan, device, scale) = child
+        child_record(path, run_case, name, plan, device, int(scale), model=name, plan=plan)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="+", help="MODEL:PLAN, PLAN 'ckptopt' (the tensor model's plan), 'calibrated' "
@@ -172,7 +163,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--batch-scale", type=int, default=1, help="a gpu_models.py model's batch times K (default 1)")
     args = ap.parse_args()
-    for case, r in cases_in_processes(__file__, args.cases, args.out_dir, "gap", args.device, args.timeout,
+    for case, r in cases_in_processes("benchmarks.gpu_gap", args.cases, args.out_dir, "gap", args.device, args.timeout,
                                       (args.batch_scale,)):
         mib = 2 ** 20
         print(f"{case}: predicted {r.get('predicted_peak_bytes', 0) / mib:.1f} tracker {r['tracker_peak_bytes'] / mib:.1f}"

@@ -11,29 +11,30 @@ records fits or not and, when it fits, ``max_memory_allocated`` and ``max_memory
 the allocator's real overhead (reserved over allocated) at the largest batch that fits, which
 is what the headroom's ``fraction`` must cover.
 
-    PYTHONPATH=src python benchmarks/gpu_max_batch.py --answers benchmarks/results/gpu_max_batch_answers.json
-    python benchmarks/gpu_max_batch.py --device cpu --answers ... --tries 2   # CPU smoke run (no cap)
+    python -m benchmarks.gpu_max_batch --answers benchmarks/results/gpu_accuracy/latest-h200-max-batch.json
+    python -m benchmarks.gpu_max_batch --device cpu --answers ... --tries 2   # CPU smoke run (no cap)
+
+Writes ``benchmarks/results/gpu_max_batch/latest-<device>.json`` (``-keep-output`` added with
+``--keep-output``; ``<device>`` as :func:`benchmarks.harness.device_label` names it, e.g. ``h200``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(__file__))
+from benchmarks.harness import (child_args, child_env, child_record, device_label, result_path, run_child,
+                                run_metadata, write_json)
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 STRATEGIES = {"no_checkpointing": "none", "optimal": "optimal"}
 ALLOCATORS = {"default": None, "expandable": "expandable_segments:True"}
 
 
 def _step(module, x, loss, opt, keep_output: bool = False, kept: list | None = None) -> None:
-    import gpu_accuracy
+    from benchmarks import gpu_accuracy
 
     opt.zero_grad(set_to_none=True)
     if keep_output:  # out = model(x); loss(out).backward(): kept to the next step's forward
@@ -48,7 +49,7 @@ def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps,
              device: str, keep_output: bool = False) -> dict:
     import torch
 
-    import gpu_accuracy
+    from benchmarks import gpu_accuracy
     from ckptopt import apply_plan, trace
     from ckptopt.planning import with_batch
 
@@ -100,30 +101,26 @@ def run_case(model_name: str, strategy: str, memory_bytes: int, batch: int, cps,
 
 
 def _child(payload: dict, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    if payload["alloc_conf"]:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = payload["alloc_conf"]
-    try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(payload)],
-                              capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(error=f"timeout after {timeout:.0f} s")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        return dict(error=((proc.stderr or proc.stdout).strip().splitlines() or ["no output"])[-1])
-    return json.loads(lines[-1])
+    """One case in a fresh process (``src/`` first on the path, the case's allocator setting)."""
+    extra = {"PYTORCH_CUDA_ALLOC_CONF": payload["alloc_conf"]} if payload["alloc_conf"] else {}
+    child = run_child("benchmarks.gpu_max_batch", [json.dumps(payload)], timeout=timeout,
+                      env=child_env(threads="?2", src_first=True, **extra))
+    if child.record is None:
+        return dict(error=child.failure if child.returncode is None else
+                    (child.output.strip().splitlines() or ["no output"])[-1])
+    return child.record
+
+
+def _run_child(p: dict) -> dict:
+    return run_case(p["model"], p["strategy"], p["memory_bytes"], p["batch"], p["checkpoints"], p["stored"],
+                    p["step"], p["tries"], p["device"], p.get("keep_output", False))
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        p = json.loads(sys.argv[2])
-        try:
-            rec = run_case(p["model"], p["strategy"], p["memory_bytes"], p["batch"], p["checkpoints"], p["stored"],
-                           p["step"], p["tries"], p["device"], p.get("keep_output", False))
-        except Exception as exc:  # noqa: BLE001 - recorded
-            rec = dict(error=f"{type(exc).__name__}: {exc}"[:1000])
-        print(json.dumps(rec))
+    child = child_args()
+    if child:
+        path, (payload,) = child
+        child_record(path, _run_child, json.loads(payload))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--answers", required=True, help="a gpu_accuracy.py JSON with max_batch results")
@@ -135,9 +132,10 @@ def main() -> None:
     ap.add_argument("--keep-output", action="store_true",
                     help="train a loop that keeps the model's output (for answers of gpu_accuracy.py --keep-output)")
     ap.add_argument("--timeout", type=float, default=400.0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpu_max_batch.json"))
+    ap.add_argument("--out", help="default benchmarks/results/gpu_max_batch/latest-<device>[-keep-output].json")
     args = ap.parse_args()
-    from _common import run_metadata
+    args.out = args.out or result_path("gpu_max_batch",
+                                       device_label(args.device) + ("-keep-output" if args.keep_output else ""))
 
     answers = json.load(open(args.answers))["max_batch"]
     todo = []
@@ -151,20 +149,20 @@ def main() -> None:
                                  stored=fit["stored"], step=max(1, round(args.step * fit["batch"])),
                                  tries=args.tries, device=args.device, allocator=alloc, keep_output=args.keep_output,
                                  alloc_conf=ALLOCATORS[alloc]))
-    meta = run_metadata("gpu_max_batch")
+    meta = run_metadata("gpu_max_batch", args.device)
     meta["answers"] = args.answers
     results: list = []
+    lock = threading.Lock()
 
     def one(p):
         t0 = time.perf_counter()
         rec = dict({k: p[k] for k in ("model", "strategy", "allocator", "batch", "predicted", "memory_bytes")},
                    **_child(p, args.timeout), seconds=round(time.perf_counter() - t0, 1))
-        results.append(rec)
-        print(json.dumps({k: rec.get(k) for k in ("model", "strategy", "allocator", "batch", "largest_fitting",
-                                                  "overhead_at_largest", "error")}), flush=True)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, cases=results), fh, indent=1)
+        with lock:
+            results.append(rec)
+            print(json.dumps({k: rec.get(k) for k in ("model", "strategy", "allocator", "batch", "largest_fitting",
+                                                      "overhead_at_largest", "error")}), flush=True)
+            write_json(args.out, dict(meta=meta, cases=results))
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         list(pool.map(one, todo))

@@ -30,37 +30,31 @@ required).
 leave the libraries' fixed workspace a large share of a CUDA peak).
 
 ``--jobs`` cases run at once (memory figures are per process; calibration's timings, which
-only price recomputation, share the GPU with the other cases). Writes ``--out``
-(default ``benchmarks/results/gpu_models.json``) after every case and prints a table.
+only price recomputation, share the GPU with the other cases). Writes ``--out`` (default
+``benchmarks/results/gpu_models/latest-<device>[-x<K>].json``, ``<device>`` as
+:func:`benchmarks.harness.device_label` names it, e.g. ``h200``) after every case and prints a table.
 
-    PYTHONPATH=src python benchmarks/gpu_models.py --device cuda --jobs 6
-    python benchmarks/gpu_models.py --device cpu --only GPTNeoXForCausalLM --jobs 2   # CPU smoke run
+    python -m benchmarks.gpu_models --device cuda --jobs 6
+    python -m benchmarks.gpu_models --device cpu --only GPTNeoXForCausalLM --jobs 2   # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import diffusers_models  # noqa: E402
-import hf_families  # noqa: E402
+from benchmarks import diffusers_models, hf_families  # noqa: E402 (after the offline settings)
+from benchmarks.harness import (child_args, child_env, child_record, device_label, hf_checkpointing_enable,  # noqa: E402
+                                result_path, run_child, run_metadata, same_training, shapes, to_device, write_json)
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WAYS = ("none", "peer", "ckptopt", "ckptopt-tensors")
 MODELS = {**{n: hf_families for n in hf_families.CONFIGS}, **{n: diffusers_models for n in diffusers_models.CONFIGS}}
 
@@ -69,13 +63,8 @@ def _loss_fn(name: str):
     return diffusers_models.loss_fn if MODELS[name] is diffusers_models else None
 
 
-def _to(batch: dict, device: str) -> dict:
-    import torch
-
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
 def _one_step(module, batch: dict, loss_fn, seed: int = 1234):
+    """One timed training step (gradients left in place)."""
     import torch
 
     module.zero_grad(set_to_none=True)
@@ -93,18 +82,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _same_training(module, name: str, batch: dict, loss_fn, device: str) -> dict:
-    """One step of ``module`` against one step of a fresh unmodified build (same seed, same batch)."""
-    ref = MODELS[name].build_model(name).to(device)
-    la = _one_step(module, batch, loss_fn)
-    ga = {k: p.grad.detach().clone() for k, p in module.named_parameters() if p.grad is not None}
-    module.zero_grad(set_to_none=True)
-    lb = _one_step(ref, batch, loss_fn)
-    from _common import compare_steps
-
-    return compare_steps(la, ga, lb, {k: p.grad for k, p in ref.named_parameters()})
-
-
 def _default_batch(suite, name: str) -> int:
     """The leading dimension of the model's default batch."""
     return next(v.shape[0] for v in suite.make_batch(name).values() if hasattr(v, "shape") and v.dim())
@@ -115,15 +92,14 @@ def run_case(name: str, way: str, device: str, scale: int = 1) -> dict:
 
     from ckptopt import optimize_checkpoints
     from ckptopt.measure import measure_peak_detailed
-    from hf_models import hf_checkpointing_enable
 
     suite, loss_fn = MODELS[name], _loss_fn(name)
     rec: dict = dict(model=name, way=way, device=device)
     t0 = time.perf_counter()
     model = suite.build_model(name).to(device)
-    batch = _to(suite.make_batch(name, _default_batch(suite, name) * scale) if scale != 1 else suite.make_batch(name),
-                device)
-    rec["batch"] = {k: list(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+    batch = to_device(suite.make_batch(name, _default_batch(suite, name) * scale) if scale != 1
+                      else suite.make_batch(name), device)
+    rec["batch"] = shapes(batch, tensors_only=True)
     module = model
     if way == "peer":
         if suite is hf_families:
@@ -165,46 +141,19 @@ def run_case(name: str, way: str, device: str, scale: int = 1) -> dict:
     module.zero_grad(set_to_none=True)
     rec["step_seconds"] = statistics.median(times)
     if way.startswith("ckptopt"):
-        rec["same_training"] = _same_training(module, name, batch, loss_fn, device)
+        rec["same_training"] = same_training(module, MODELS[name].build_model(name).to(device), batch, loss_fn)
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     rec["torch"] = torch.__version__
     return rec
 
 
-def _child(name: str, way: str, device: str, path: str, scale: str = "1") -> None:
-    warnings.filterwarnings("ignore")
-    try:
-        rec = run_case(name, way, device, int(scale))
-    except BaseException as exc:  # noqa: BLE001 - a failing case is recorded
-        rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000],
-                   traceback=traceback.format_exc()[-4000:])
-    with open(path, "w") as fh:
-        json.dump(rec, fh, default=str)
-
-
 def run_isolated(name: str, way: str, device: str, timeout: float, scale: int = 1) -> dict:
-    fd, path = tempfile.mkstemp(prefix="gpu_models_", suffix=".json")
-    os.close(fd)
-    t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, device, path, str(scale)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True,
-                              env=env)
-        rc, tail = proc.returncode, proc.stdout[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        rc, tail = None, (out.decode(errors="replace") if isinstance(out, bytes) else out)[-2000:]
-    try:
-        with open(path) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        rec = dict(model=name, way=way, error=f"timeout after {timeout:.0f} s" if rc is None
-                   else f"process exited with code {rc}", output_tail=tail)
-    finally:
-        os.unlink(path)
-    rec["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    """One case in a fresh process (``src/`` first on the path, two threads unless set)."""
+    child = run_child("benchmarks.gpu_models", [name, way, device, scale], timeout=timeout,
+                      env=child_env(threads="?2", src_first=True))
+    rec = child.record if child.record is not None else dict(model=name, way=way, error=child.failure,
+                                                             output_tail=child.output)
+    rec["wall_seconds"] = round(child.seconds, 2)
     return rec
 
 
@@ -236,8 +185,11 @@ def _table(cases: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(*sys.argv[2:7])
+    child = child_args()
+    if child:
+        path, (name, way, device, scale) = child
+        warnings.filterwarnings("ignore")
+        child_record(path, run_case, name, way, device, int(scale), model=name, way=way)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -246,9 +198,10 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case (default 600)")
     ap.add_argument("--batch-scale", type=int, default=1, help="multiply every model's batch (default 1)")
-    ap.add_argument("--out", default=os.path.join(OUT, "gpu_models.json"))
+    ap.add_argument("--out", help="default benchmarks/results/gpu_models/latest-<device>[-x<K>].json")
     args = ap.parse_args()
-    from _common import run_metadata
+    args.out = args.out or result_path(
+        "gpu_models", device_label(args.device) + (f"-x{args.batch_scale}" if args.batch_scale != 1 else ""))
 
     names = args.only.split(",") if args.only else list(MODELS)
     unknown = [n for n in names if n not in MODELS]
@@ -257,7 +210,7 @@ def main() -> None:
     ways = args.ways.split(",")
     # the ckptopt cases take longest: start them first
     todo = sorted(((n, w) for n in names for w in ways), key=lambda nw: (not nw[1].startswith("ckptopt"),))
-    meta = run_metadata("gpu_models")
+    meta = run_metadata("gpu_models", args.device)
     meta["batch_scale"] = args.batch_scale
     try:
         import torch
@@ -282,9 +235,7 @@ def main() -> None:
             if rec.get("prediction_error") is not None:
                 shown += f" predicted {rec['predicted_peak_bytes']:,} ({100 * rec['prediction_error']:+.2f}%)"
             print(f"{nw[0]} {nw[1]}: {shown} [{rec['wall_seconds']:.0f} s]", flush=True)
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as fh:
-                json.dump(dict(meta=meta, cases=[cases[k] for k in sorted(cases)]), fh, indent=1, default=str)
+            write_json(args.out, dict(meta=meta, cases=[cases[k] for k in sorted(cases)]))
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(one, todo))

@@ -10,18 +10,17 @@ workspace as calibration does, then records the allocator's history (with C++ an
 stacks) over one training step, frees every tensor of it (gradients included), and writes
 every block still allocated with the frames that allocated it.
 
-    PYTHONPATH=src python benchmarks/gpu_persistent.py --out-dir /tmp/pers GPTNeoXForCausalLM:none
+    python -m benchmarks.gpu_persistent --out-dir /tmp/pers GPTNeoXForCausalLM:none
+
+(Its printed report is the record to keep: ``benchmarks/results/gpu_persistent/latest-<label>.log``.)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cases_in_processes  # noqa: E402
+from benchmarks.harness import cases_in_processes, child_args, child_record
 
 
 def _frames(block: dict, keep: int = 14) -> list[str]:
@@ -37,7 +36,7 @@ def _frames(block: dict, keep: int = 14) -> list[str]:
 def run_case(name: str, way: str, device: str) -> dict:
     import torch
 
-    import gpu_gap
+    from benchmarks import gpu_gap
     from ckptopt.planning.headroom import measure_cuda_workspace
 
     model, batch, loss_fn = gpu_gap._load(name, device)
@@ -78,14 +77,10 @@ def run_case(name: str, way: str, device: str) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        name, way, device, path = sys.argv[2:6]
-        try:
-            rec = run_case(name, way, device)
-        except BaseException as exc:  # noqa: BLE001 - recorded
-            rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000])
-        with open(path, "w") as fh:
-            json.dump(rec, fh, indent=1)
+    child = child_args()
+    if child:
+        path, (name, way, device) = child
+        child_record(path, run_case, name, way, device, model=name, way=way)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="+", help="MODEL:WAY, WAY 'none' or 'ckptopt'")
@@ -93,7 +88,7 @@ def main() -> None:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
-    for case, r in cases_in_processes(__file__, args.cases, args.out_dir, "persistent", args.device, args.timeout):
+    for case, r in cases_in_processes("benchmarks.gpu_persistent", args.cases, args.out_dir, "persistent", args.device, args.timeout):
         print(f"{case}: workspace {r['workspace_bytes']:,} B; left after one step {r['left_after_one_step']:,} B, "
               f"after two {r['left_after_two_steps']:,} B; {len(r['blocks'])} blocks allocated while recording "
               "and alive", flush=True)

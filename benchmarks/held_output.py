@@ -9,18 +9,17 @@ loops on the CPU with the exact storage tracker: three Adam steps of the zoo GPT
 width 768, vocabulary 50,257, 128 tokens, fp32 logits), no checkpointing and the plan that
 checkpoints every layer but the loss, against ``estimate``'s prediction for the same plan.
 
-    python benchmarks/held_output.py            # writes benchmarks/results/held_output.json
+    python -m benchmarks.held_output            # writes benchmarks/results/held_output/latest.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+from benchmarks.harness import result_path, run_metadata, write_json
 
-OUT = os.path.join(os.path.dirname(__file__), "results", "held_output.json")
+OUT = result_path("held_output")
 
 
 def measure(module, x, loss, keep: bool, steps: int = 3) -> int:
@@ -46,10 +45,10 @@ def measure(module, x, loss, keep: bool, steps: int = 3) -> int:
     return tracker.peak_bytes
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.strip().split("\n")[0]).parse_args(argv)  # (no options: --help)
     import torch
 
-    from _common import run_metadata
     from ckptopt import Plan, apply_plan, simulate, trace, zoo
     from ckptopt.planning.optimizer import optimizer_memory, step_peak
 
@@ -72,9 +71,7 @@ def main() -> None:
                        measured_output_dies=dies, measured_output_kept=kept, kept_minus_dies=kept - dies)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as fh:
-        json.dump(dict(meta=run_metadata("held_output"), rows=rows), fh, indent=1)
+    write_json(OUT, dict(meta=run_metadata("held_output"), rows=rows))
     print(f"wrote {OUT}")
 
 

@@ -16,8 +16,8 @@ moderate size: 6 layers (encoder-decoders: 6 encoder + 6 decoder layers), width 
 * ``GPTNeoXForCausalLM``: ``input_ids`` and ``attention_mask`` (4, 256), row 0 padded as
   above, ``labels = input_ids``.
 
-Three ways to train each, every one in a fresh Python process (this script with
-``--child``), the model built after ``torch.manual_seed(0)``:
+Three ways to train each, every one in a fresh Python process (``harness.run_child``), the model
+built after ``torch.manual_seed(0)``:
 
 * ``none``: the model as it is;
 * ``hf``: ``model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})``
@@ -33,28 +33,24 @@ forward, so dropout draws the same masks) compared on the loss and every paramet
 gradient (max absolute difference, and whether bit-identical). A case that raises is
 recorded with its exception, not fatal.
 
-Writes ``benchmarks/results/hf_families.json`` (``--out``) after every model and prints a
-markdown table. Run: ``python benchmarks/hf_families.py`` (about 5 minutes on 2 CPU
+Writes ``benchmarks/results/hf_families/latest.json`` (``--out``) after every model and prints a
+markdown table. Run: ``python -m benchmarks.hf_families`` (about 5 minutes on 2 CPU
 cores); ``--only T5ForConditionalGeneration,CLIPModel`` for some models.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import (child_args, child_record, hf_checkpointing_enable, result_path, run_child,
+                                run_metadata, same_training as _same_training, shapes, write_json)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 WAYS = ("none", "hf", "ckptopt")
 
 LAYERS, WIDTH, HEADS, FFN, VOCAB = 6, 256, 4, 1024, 2048
@@ -149,49 +145,22 @@ def make_batch(name: str, batch: int | None = None) -> dict:
     raise ValueError(f"unknown model {name!r}; one of {', '.join(CONFIGS)}")
 
 
-def _shapes(batch: dict) -> dict:
-    return {k: list(v.shape) if hasattr(v, "shape") else v for k, v in batch.items()}
-
-
 # --------------------------------------------------------------------------
 # one case, in a fresh process
 # --------------------------------------------------------------------------
-def _one_step(model, batch: dict, seed: int = 1234):
-    """Loss and gradients of one training step, ``torch.manual_seed(seed)`` right before the forward."""
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    loss = model(**batch).loss
-    loss.backward()
-    grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def same_training(opt, name: str, batch: dict) -> dict:
     """One step of ``opt`` against one step of a fresh unmodified build (same seed, same batch)."""
-    import torch
-
-    ref = build_model(name)
-    ref_params = dict(ref.named_parameters())
-    params_equal = all(torch.equal(p, ref_params[k]) for k, p in opt.named_parameters() if k in ref_params)
-    la, ga = _one_step(opt, batch)
-    lb, gb = _one_step(ref, batch)
-    from _common import compare_steps
-
-    return {**compare_steps(la, ga, lb, gb), "params_equal_before": params_equal}
+    return _same_training(opt, build_model(name), batch)
 
 
 def run_case(name: str, way: str, batch_size: int | None) -> dict:
     from ckptopt import measure_peak, optimize_checkpoints
-    from hf_models import hf_checkpointing_enable
 
     rec: dict = dict(model=name, way=way)
     t0 = time.perf_counter()
     model = build_model(name)
     batch = make_batch(name, batch_size)
-    rec.update(batch=_shapes(batch), params=sum(p.numel() for p in model.parameters()))
+    rec.update(batch=shapes(batch), params=sum(p.numel() for p in model.parameters()))
     if way == "none":
         module = model
     elif way == "hf":
@@ -217,37 +186,12 @@ def run_case(name: str, way: str, batch_size: int | None) -> dict:
     return rec
 
 
-def _child(name: str, way: str, batch_size: int | None, path: str) -> None:
-    warnings.filterwarnings("ignore")
-    try:
-        rec = run_case(name, way, batch_size)
-    except BaseException as exc:  # noqa: BLE001 - a failing case is recorded
-        rec = dict(model=name, way=way, error=f"{type(exc).__name__}: {exc}"[:2000],
-                   traceback=traceback.format_exc()[-4000:])
-    with open(path, "w") as fh:
-        json.dump(rec, fh, default=str)
-
-
 def run_isolated(name: str, way: str, batch_size: int | None, timeout: float) -> dict:
-    fd, path = tempfile.mkstemp(prefix="hf_families_", suffix=".json")
-    os.close(fd)
-    t0 = time.perf_counter()
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, way, str(batch_size or 0), path]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True)
-        rc, tail = proc.returncode, proc.stdout[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        rc, tail = None, (out.decode(errors="replace") if isinstance(out, bytes) else out)[-2000:]
-    try:
-        with open(path) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        what = f"timeout after {timeout:.0f} s" if rc is None else f"process exited with code {rc}"
-        rec = dict(model=name, way=way, error=what, output_tail=tail)
-    finally:
-        os.unlink(path)
-    rec["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    """One case in a fresh process: its record, or why there is none."""
+    child = run_child("benchmarks.hf_families", [name, way, batch_size or 0], timeout=timeout)
+    rec = child.record if child.record is not None else dict(model=name, way=way, error=child.failure,
+                                                             output_tail=child.output)
+    rec["wall_seconds"] = round(child.seconds, 2)
     return rec
 
 
@@ -296,24 +240,24 @@ def _table(results: list[dict]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _, _, name, way, batch_size, path = sys.argv
-        _child(name, way, int(batch_size) or None, path)
+    child = child_args()
+    if child:
+        path, (name, way, batch_size) = child
+        warnings.filterwarnings("ignore")
+        child_record(path, run_case, name, way, int(batch_size) or None, model=name, way=way)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated class names: " + ",".join(CONFIGS))
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per case (default 600)")
     ap.add_argument("--whisper-batch", type=int, default=WHISPER_BATCH,
                     help=f"Whisper's batch (default {WHISPER_BATCH}; 1 where 3000 frames are too slow)")
-    ap.add_argument("--out", default=os.path.join(OUT, "hf_families.json"))
+    ap.add_argument("--out", default=result_path("hf_families"))
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         ap.error(f"unknown model(s) {unknown}; choose from {', '.join(CONFIGS)}")
     warnings.filterwarnings("ignore")
-    from _common import run_metadata
-
     tf = _transformers()
     meta = run_metadata("hf_families")
     meta.update(transformers=tf.__version__, device="cpu", timeout_seconds=args.timeout,
@@ -329,9 +273,7 @@ def main() -> None:
                            f"{WHISPER_BATCH} took too long on this CPU")
         results.append(res)
         meta["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, results=results), fh, indent=1, default=str)
+        write_json(args.out, dict(meta=meta, results=results))
     print()
     print(_table(results))
     for r in results:

@@ -17,27 +17,26 @@ recomputation (share of a step, 3 x forward, from the traced FLOPs; for ``hf``
 the forward of every decoder layer) and the step time: median of ``--rounds``
 interleaved rounds, each running every variant once, after one warm-up step.
 
-Writes ``benchmarks/results/hf_models.json``. Run: ``python benchmarks/hf_models.py``
-(``--device cuda`` on a GPU; ``--quick`` for 2 rounds).
+Writes ``benchmarks/results/hf_models/latest.json`` (``latest-<device>.json`` with ``--device cuda``,
+``-quick`` added with ``--quick``). Run: ``python -m benchmarks.hf_models`` (``--device cuda`` on a GPU;
+``--quick`` for 2 rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from _common import run_metadata  # noqa: E402
+from benchmarks.harness import (device_label, hf_checkpointing_disable, hf_checkpointing_enable,  # noqa: E402
+                                result_path, run_metadata, write_json)
 from ckptopt import measure_peak, optimize_checkpoints  # noqa: E402
 from ckptopt.zoo.hf import get_hf  # noqa: E402
 
@@ -50,7 +49,6 @@ CONFIGS = {
                             vocab_size=2048, max_position_embeddings=512),
 }
 BLOCKS = {"GPT2LMHeadModel": ".h.", "LlamaForCausalLM": ".layers.", "BertForMaskedLM": ".layer."}
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def _hf_recompute_share(opt, name: str) -> float:
@@ -58,22 +56,6 @@ def _hf_recompute_share(opt, name: str) -> float:
     flops = [(layer.name, layer.flops) for layer in opt.traced.layers]
     blocks = sum(f for n, f in flops if BLOCKS[name] in n)
     return blocks / (3 * sum(f for _, f in flops))
-
-
-def hf_checkpointing_enable(model) -> None:
-    """transformers' own checkpointing of every layer, non-reentrant: ``activation_checkpointing_enable``
-    where the model has it (transformers 5), else the deprecated ``gradient_checkpointing_enable``."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def hf_checkpointing_disable(model) -> None:
-    if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
 
 
 def _step(model, batch):
@@ -144,19 +126,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="2 rounds")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--models", nargs="*", default=list(CONFIGS))
-    ap.add_argument("--out", default=os.path.join(OUT, "hf_models.json"))
+    ap.add_argument("--out", help="default benchmarks/results/hf_models/latest[-<device>][-quick].json")
     args = ap.parse_args()
+    label = "-".join(([] if args.device == "cpu" else [device_label(args.device)]) + (["quick"] if args.quick else []))
+    args.out = args.out or result_path("hf_models", label or None)
     warnings.filterwarnings("ignore")
     import transformers
 
     transformers.logging.set_verbosity_error()
     rounds = 2 if args.quick else args.rounds
     results = [run_model(m, args.batch, args.seq, rounds, args.device) for m in args.models]
-    meta = run_metadata("hf_models")
-    meta.update(device=args.device, transformers=transformers.__version__, rounds=rounds)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(dict(meta=meta, results=results), fh, indent=1)
+    meta = run_metadata("hf_models", args.device)
+    meta.update(transformers=transformers.__version__, rounds=rounds)
+    write_json(args.out, dict(meta=meta, results=results))
     mib = 2.0 ** 20
     print(f"| model | variant | measured MiB | predicted MiB | pred. error | vs HF ckpt | recompute | step time / none |")
     print("|---|---|---|---|---|---|---|---|")

@@ -29,11 +29,14 @@ Per model, in a fresh subprocess (``--timeout``), one record with ``status``:
   (numbers and node names stripped so failures group), or the ok-conditions that failed
   (``failed`` lists them with figures).
 
-Writes ``benchmarks/results/hf_sweep.json`` (``--out``) after every model: run metadata,
+Writes ``benchmarks/results/hf_sweep/latest.json`` (``--out``; ``--sample``: ``latest-ci-sample.json``)
+after every model: run metadata,
 ``records`` and a ``summary`` grouped by status and cause. ``--only A,B``, ``--tasks
 causal,masked,seq2seq,seqcls,image,speech``, ``--limit N``, ``--sample`` (6 models of
 different families, for CI), ``--resume`` (keep the records already in ``--out``).
-Run: ``nice -n 10 python benchmarks/hf_sweep.py`` (about 500 models, one at a time).
+Run: ``nice -n 10 python -m benchmarks.hf_sweep`` (about 500 models, one at a time). A sample of the
+sweep re-run on new code goes to ``latest-sample.json``: ``--only <models> --out
+benchmarks/results/hf_sweep/latest-sample.json``.
 """
 
 from __future__ import annotations
@@ -45,19 +48,16 @@ import math
 import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import traceback
 import warnings
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.harness import child_args, result_path, run_child, run_metadata, write_json, write_record
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 # task -> the auto mapping it comes from
 TASKS = {
@@ -912,35 +912,21 @@ def _child(name: str, task: str, tasks: list[str], path: str) -> None:
 
     def progress(stage):
         state["stage"] = stage
-        with open(path, "w") as fh:
-            json.dump(state, fh)
+        write_record(path, state)
 
     try:
         rec = run_model(name, task, tasks, progress)
     except BaseException as exc:  # noqa: BLE001 - the harness itself crashed
         rec = dict(state, status="fail", **_failure(state.get("stage", "start"), exc))
     rec.pop("stage", None)
-    with open(path, "w") as fh:
-        json.dump(rec, fh, default=str)
+    write_record(path, rec)
 
 
 def run_isolated(name: str, task: str, tasks: list[str], timeout: float) -> dict:
-    fd, path = tempfile.mkstemp(prefix="hf_sweep_", suffix=".json")
-    os.close(fd)
-    t0 = time.perf_counter()
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, task, ",".join(tasks), path]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, text=True)
-        rc, tail = proc.returncode, proc.stdout[-2000:]
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = None, (exc.stdout or b"")[-2000:] if isinstance(exc.stdout, bytes) else (exc.stdout or "")[-2000:]
-    try:
-        with open(path) as fh:
-            rec = json.load(fh)
-    except (OSError, ValueError):
-        rec = dict(model=name, task=task, tasks=tasks, stage="start")
-    finally:
-        os.unlink(path)
+    """One model in a fresh process; a record with a ``status`` also when it timed out or crashed."""
+    child = run_child("benchmarks.hf_sweep", [name, task, ",".join(tasks)], timeout=timeout)
+    rc, tail = child.returncode, child.output
+    rec = child.record if child.record is not None else dict(model=name, task=task, tasks=tasks, stage="start")
     if "status" not in rec:  # timed out or crashed mid-way
         stage = rec.pop("stage", "start")
         what = f"timeout after {timeout:.0f} s" if rc is None else f"process exited with code {rc}"
@@ -950,31 +936,8 @@ def run_isolated(name: str, task: str, tasks: list[str], timeout: float) -> dict
         else:
             rec.update(status="fail", stage=stage, cause=f"{stage}: {what.split(' after')[0]}",
                        message=what, output_tail=tail if isinstance(tail, str) else tail.decode(errors="replace"))
-    rec["wall_seconds"] = round(time.perf_counter() - t0, 2)
+    rec["wall_seconds"] = round(child.seconds, 2)
     return rec
-
-
-def _code_version() -> dict:
-    """Which ckptopt ran: its source folder, and for a git checkout its commit and whether src/ is edited.
-
-    To sweep a fixed commit while the checkout changes: ``git archive HEAD src | tar -x -C DIR`` and
-    ``PYTHONPATH=DIR/src`` (subprocesses inherit it); ``CKPTOPT_SWEEP_COMMIT`` names the commit.
-    """
-    import ckptopt
-
-    src = os.path.dirname(os.path.dirname(os.path.abspath(ckptopt.__file__)))
-    out = dict(ckptopt_src=src, ckptopt_commit=os.environ.get("CKPTOPT_SWEEP_COMMIT"))
-    try:
-        root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                              cwd=src).stdout.strip()
-        if root:
-            out["ckptopt_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                   text=True, cwd=src).stdout.strip()
-            out["src_edited"] = bool(subprocess.run(["git", "status", "--porcelain", "src"], capture_output=True,
-                                                    text=True, cwd=root).stdout.strip())
-    except OSError:
-        pass
-    return out
 
 
 def summarize(records: list[dict]) -> dict:
@@ -1022,8 +985,9 @@ def _line(r: dict) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _, _, name, task, tasks, path = sys.argv
+    child = child_args()
+    if child:
+        path, (name, task, tasks) = child
         _child(name, task, tasks.split(","), path)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1033,8 +997,10 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true", help=f"the CI sample: {', '.join(SAMPLE)}")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per model (default 300)")
     ap.add_argument("--resume", action="store_true", help="keep the records already in --out, run the rest")
-    ap.add_argument("--out", default=os.path.join(OUT, "hf_sweep.json"))
+    ap.add_argument("--out", help="default benchmarks/results/hf_sweep/latest.json (latest-ci-sample.json with "
+                    "--sample)")
     args = ap.parse_args()
+    args.out = args.out or result_path("hf_sweep", "ci-sample" if args.sample else None)
     warnings.filterwarnings("ignore")
     tf = _transformers()
     tasks = args.tasks.split(",") if args.tasks else None
@@ -1057,26 +1023,21 @@ def main() -> None:
             records = json.load(fh).get("records", [])
         done = {r["model"] for r in records}
         entries = [e for e in entries if e[0] not in done]
-    from _common import run_metadata
-
     meta = run_metadata("hf_sweep")
     meta.update(transformers=tf.__version__, timeout_s=args.timeout, batch=BATCH, seq=SEQ, padded_positions=PAD,
                 target_len=TARGET_LEN, scale=dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, head_dim=HEAD_DIM,
                                                   intermediate=INTER, vocab=VOCAB, image_sizes=list(IMAGE_SIZES),
                                                   dropout_where_zero=DROPOUT, max_params=MAX_PARAMS),
                 prediction_tolerance=PRED_TOL, torch_threads_per_model=1)
-    meta.update(_code_version())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     print(f"{len(entries)} models to run ({len(records)} kept)", flush=True)
     for k, (name, task, ts) in enumerate(entries, 1):
         rec = run_isolated(name, task, ts, args.timeout)
         records.append(rec)
         print(f"[{k}/{len(entries)}] {_line(rec)}", flush=True)
-        with open(args.out, "w") as fh:
-            json.dump(dict(meta=meta, summary=summarize(records), records=records), fh, indent=1, default=str)
+        write_json(args.out, dict(meta=meta, summary=summarize(records), records=records))
     summary = summarize(records)
-    with open(args.out, "w") as fh:
-        json.dump(dict(meta=meta, summary=summary, records=records), fh, indent=1, default=str)
+    write_json(args.out, dict(meta=meta, summary=summary, records=records))
     print_summary(summary)
 
 

@@ -4,7 +4,7 @@ A VGG-like conv chain (batch 8, 64x64, float32) whose per-layer figures follow t
 measured rules of docs/design.md §3: Conv and BatchNorm save their input,
 BatchNorm also 2*C*4 bytes of statistics, ReLU saves its output, MaxPool its input
 and int64 indices. Transients: forward = the output (plus indices), backward = the
-input gradient plus the parameter gradient. Run: python benchmarks/make_example_costs.py
+input gradient plus the parameter gradient. Run: python -m benchmarks.make_example_costs
 """
 
 from pathlib import Path

@@ -4,27 +4,24 @@ Runs ``max_batch`` (default: resnet50, zoo input 64x64, 2 GiB, Adam with the
 for-loop step PyTorch uses on CPU), then measures real training steps with
 the exact CPU storage tracker (``ckptopt.measure.measure_training_step``,
 optimizer step included) at batch b and b+1, with no checkpointing and with
-the optimal plan. Writes ``benchmarks/results/max_batch_check.json``.
+the optimal plan. Writes ``benchmarks/results/max_batch_check/latest.json``.
 
-    python benchmarks/max_batch_check.py
-    python benchmarks/max_batch_check.py --model resnet18 --memory 512MiB
+    python -m benchmarks.max_batch_check
+    python -m benchmarks.max_batch_check --model resnet18 --memory 512MiB
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
-from pathlib import Path
 
-from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+from benchmarks.harness import result_path, run_metadata, write_json
 from ckptopt import zoo
 from ckptopt.measure import measure_training_step
 from ckptopt.planning import estimate, max_batch, with_batch
 from ckptopt.units import format_bytes, parse_bytes
 
-OUT = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -64,12 +61,10 @@ def main() -> None:
             del x
     ok = all(r["fits"] == (r["batch"] == f.batch) for r, f in
              zip(rows, (mb.no_checkpointing, mb.no_checkpointing, mb.optimal, mb.optimal)))
-    OUT.mkdir(exist_ok=True)
     out = dict(run_metadata("max_batch_check"), model=args.model, zoo_kwargs=kw, memory_bytes=memory,
                optimizer=args.optimizer, search_seconds=search_seconds, max_batch=mb.to_dict(), measured=rows,
                answer_fits_and_next_does_not=ok)
-    with open(OUT / "max_batch_check.json", "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_json(result_path("max_batch_check"), out)
     print(f"b fits and b+1 does not, for both strategies: {ok}")
 
 

@@ -11,15 +11,15 @@ batch 4x256, labels 4x64, dropout at config default, train mode), measured with 
 measure_peak exactly as the benchmark does (build after manual_seed(0), make_batch, measure_peak(module, batch),
 the model's own .loss), one fresh process per variant, torch.set_num_threads(1).
 
-Run: python benchmarks/nested_checkpointing.py [variant ...]   (each variant in a fresh subprocess;
-     results to benchmarks/results/nested_checkpointing.json; about 4 minutes for all)
+Run: python -m benchmarks.nested_checkpointing [variant ...]   (each variant in a fresh subprocess;
+     results merged into benchmarks/results/nested_checkpointing/latest.json; about 4 minutes for all)
 """
-import json, os, subprocess, sys, tempfile, time, warnings
+import argparse, json, os, time, warnings
 from functools import partial
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
-sys.path.insert(0, HERE)
+from benchmarks.harness import (child_args, hf_checkpointing_enable, result_path, run_child, run_metadata, write_json,
+                                write_record)
+
 NAME = "BartForConditionalGeneration"
 MiB = 2 ** 20
 
@@ -212,14 +212,13 @@ def child(variant, path):
     import torch
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    import hf_families as H
+    from benchmarks import hf_families as H
     import ckptopt.measure as M
     from ckptopt import measure_peak
 
     if variant in BENCH_WAYS:
         rec = H.run_case(NAME, variant, None)
         if variant == "hf":   # HF's checkpointing against the unmodified model, as the benchmark checks ckptopt
-            from hf_models import hf_checkpointing_enable
             m = H.build_model(NAME)
             hf_checkpointing_enable(m)
             rec["same_training"] = H.same_training(m, NAME, H.make_batch(NAME, None))
@@ -231,7 +230,6 @@ def child(variant, path):
         model = H.build_model(NAME)
         batch = H.make_batch(NAME, None)
         if spec["outer"] == "hf":
-            from hf_models import hf_checkpointing_enable
             hf_checkpointing_enable(model)
             patch_modules_under_hf(model, spec)
         else:
@@ -250,11 +248,9 @@ def child(variant, path):
             module = H.build_model(NAME)
             batch = H.make_batch(NAME, None)
             if variant == "hf":
-                from hf_models import hf_checkpointing_enable
-                hf_checkpointing_enable(module)
+                    hf_checkpointing_enable(module)
         rec.update(locate_peak(module, batch, M))
-    with open(path, "w") as fh:
-        json.dump(rec, fh, default=str)
+    write_record(path, rec)
 
 
 def locate_peak(model, batch, M):
@@ -303,23 +299,30 @@ def locate_peak(model, batch, M):
 
 
 def main():
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3])
+    child_call = child_args()
+    if child_call:
+        path, (variant,) = child_call
+        child(variant, path)
         return
-    names = sys.argv[1:] or list(BENCH_WAYS) + list(VARIANTS)
-    out_path = os.path.join(HERE, "results", "nested_checkpointing.json")
+    ap = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    every = list(BENCH_WAYS) + list(VARIANTS)
+    ap.add_argument("variants", nargs="*", metavar="VARIANT", help="the variants to run (default all): " + ", ".join(every))
+    names = ap.parse_args().variants or every
+    unknown = [v for v in names if v not in every]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(unknown)}")
+    out_path = result_path("nested_checkpointing")
     res = json.load(open(out_path)) if os.path.exists(out_path) else {}
     for v in names:
-        p = os.path.join(tempfile.gettempdir(), f"ckptopt_nested_{os.getpid()}_{v.replace('+', '_')}.json")
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--child", v, p], capture_output=True, text=True)
-        if r.returncode != 0 or not os.path.exists(p):
-            print(v, "FAILED", r.stdout[-2000:], r.stderr[-4000:])
+        c = run_child("benchmarks.nested_checkpointing", [v], timeout=3600)
+        if c.returncode != 0 or c.record is None:
+            print(v, "FAILED", c.failure, c.output)
             continue
-        rec = json.load(open(p)); os.unlink(p)
-        rec["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        rec = c.record
+        rec["wall_seconds"] = round(c.seconds, 1)
         res[v] = rec
-        json.dump(res, open(out_path, "w"), indent=1)
+        res["meta"] = run_metadata("nested_checkpointing")  # (the last run's; each variant keeps its own time)
+        write_json(out_path, res)
         st = rec.get("same_training") or {}
         print(f"{v:24s} {rec['measured_peak_bytes']:>12,d} B  peak at {rec.get('peak_after_module')} op {rec.get('peak_op')}"
               f"  bit_identical={st.get('bit_identical')} maxdiff={st.get('grad_max_abs_diff')}  [{rec['wall_seconds']} s]",

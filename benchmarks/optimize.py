@@ -45,12 +45,12 @@ Targets, PASS/FAIL per model:
    <= 0.1% of the measured peak, are reported separately from losses);
 3. chains only: dp2 measured lower than the best checkpoint_sequential count.
 
-Writes ``benchmarks/results/optimize.json`` (and ``optimize.png`` when
-matplotlib imports) and prints a Markdown table.
+Writes ``benchmarks/results/optimize/latest.json`` (``--quick``: ``latest-quick.json``; and a
+``.png`` beside it when matplotlib imports) and prints a Markdown table.
 
-    python benchmarks/optimize.py                 # every configuration (tens of minutes on 2 cores)
-    python benchmarks/optimize.py --quick         # resnet18, mlp, gpt at small sizes (~2 min)
-    python benchmarks/optimize.py --models vgg16 mlp@2048
+    python -m benchmarks.optimize                 # every configuration (tens of minutes on 2 cores)
+    python -m benchmarks.optimize --quick         # resnet18, mlp, gpt at small sizes (~2 min)
+    python -m benchmarks.optimize --models vgg16 mlp@2048
 """
 
 from __future__ import annotations
@@ -68,13 +68,12 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+from benchmarks.harness import result_path, run_metadata
 from ckptopt import apply_plan, simulate, solve, zoo
 from ckptopt.measure import measure_peak, measure_peak_detailed
 from ckptopt.solvers import improve_with_stored
 from ckptopt.tracer import trace
 
-OUT = Path(__file__).resolve().parent / "results"
 
 SOLVERS = ("none", "sqrt", "chen-greedy", "dp", "dp2", "linear")
 # "default": optimize_checkpoints' plan, dp2's improved over plans with unwrapped (stored)
@@ -523,8 +522,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--models", nargs="+", choices=list(CONFIGS), metavar="CONFIG",
                     help=f"configurations to run (choices: {', '.join(CONFIGS)})")
-    ap.add_argument("--out", type=Path, default=OUT / "optimize.json")
+    ap.add_argument("--out", type=Path, help="default benchmarks/results/optimize/latest.json (latest-quick.json "
+                    "with --quick)")
     args = ap.parse_args()
+    args.out = args.out or Path(result_path("optimize", "quick" if args.quick else None))
     names = args.models or (QUICK if args.quick else FULL)
     missing = [z for z in zoo.names() if z not in {CONFIGS[c][0] for c in names}]
     if missing and not (args.models or args.quick):

@@ -7,19 +7,15 @@ batch, calibrate=...)`` runs under it. Reported: the peak of real storages above
 plan's predicted training peak, for comparison. On CUDA ``gpu_models.py`` reports the same from
 the allocator.
 
-    python benchmarks/planning_memory.py GPTNeoXForCausalLM --batch-scale 8
+    python -m benchmarks.planning_memory GPTNeoXForCausalLM --batch-scale 8   # prints one JSON line per way
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 import warnings
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main() -> None:
@@ -30,7 +26,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import torch
 
-    import gpu_models
+    from benchmarks import gpu_models
     from ckptopt import optimize_checkpoints
     from ckptopt.tracker import StorageTracker
 

@@ -16,11 +16,12 @@ For each model (CPU-friendly sizes, below), with no checkpointing:
 
 Models are chains (vgg16, vgg19, mlp: target |error| <= 2%) or DAGs (resnets,
 densenet121, mobilenet_v2, unet, gpt: target <= 5%). Writes
-``benchmarks/results/prediction_accuracy.json`` and prints a Markdown table.
+``benchmarks/results/prediction_accuracy/latest.json`` (``--quick``: ``latest-quick.json``) and
+prints a Markdown table.
 
-    python benchmarks/prediction_accuracy.py            # all zoo models
-    python benchmarks/prediction_accuracy.py --quick    # resnet18, mlp, gpt
-    python benchmarks/prediction_accuracy.py --models vgg16 unet
+    python -m benchmarks.prediction_accuracy            # all zoo models
+    python -m benchmarks.prediction_accuracy --quick    # resnet18, mlp, gpt
+    python -m benchmarks.prediction_accuracy --models vgg16 unet
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+from benchmarks.harness import result_path, run_metadata, write_json
 from ckptopt import simulate, zoo
 from ckptopt.measure import measure_peak
 from ckptopt.tracer import measure_layer, trace
@@ -47,7 +47,6 @@ try:
 except ImportError:  # pragma: no cover - optional
     tqdm = None
 
-OUT = Path(__file__).resolve().parent / "results"
 
 CHAIN, DAG = "chain", "DAG"
 TARGET = {CHAIN: 0.02, DAG: 0.05}
@@ -219,8 +218,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     ap.add_argument("--models", nargs="+", choices=list(CONFIGS), help="run only these")
-    ap.add_argument("--out", type=Path, default=OUT / "prediction_accuracy.json")
+    ap.add_argument("--out", type=Path, help="default benchmarks/results/prediction_accuracy/latest.json "
+                    "(latest-quick.json with --quick)")
     args = ap.parse_args()
+    args.out = args.out or Path(result_path("prediction_accuracy", "quick" if args.quick else None))
     names = args.models or (QUICK if args.quick else list(CONFIGS))
     missing = [n for n in zoo.names() if n not in CONFIGS]
     if missing:
@@ -249,8 +250,7 @@ def main() -> None:
         all_within_target=all(r["within_target"] for r in rows),
         models=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(table(rows))
     print()
     bad = [r["model"] for r in rows if not r["within_target"]]

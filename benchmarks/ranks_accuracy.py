@@ -12,24 +12,20 @@ the scalar loss and its gradient (not in the cost model). Then PyTorch's own
 and 64 ranks. DDP runs as real processes over gloo (2 and 4 ranks, every rank; FSDP2 too), with
 ``tests/test_parallel.py``'s workers: DDP's communication hook does not run on the fake group.
 
-    python benchmarks/ranks_accuracy.py            # writes benchmarks/results/ranks_accuracy.json, prints a table
-    python benchmarks/ranks_accuracy.py --llama    # a transformers Llama on the fake group: ..._llama.json
+    python -m benchmarks.ranks_accuracy            # writes benchmarks/results/ranks_accuracy/latest.json, prints a table
+    python -m benchmarks.ranks_accuracy --llama    # a transformers Llama on the fake group: .../latest-llama.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))  # tests.common.ranks
-sys.path.insert(0, HERE)
+from benchmarks.harness import result_path, run_metadata, write_json
+from tests.common.ranks import fake_world
 
-from _common import run_metadata  # noqa: E402
-from tests.common.ranks import fake_world  # noqa: E402
-
-OUT = os.path.join(HERE, "results", "ranks_accuracy.json")
+OUT = result_path("ranks_accuracy")
 
 
 def tracker_rows(worlds=(8, 64)) -> list[dict]:
@@ -118,15 +114,17 @@ def llama_rows(worlds=(2, 4, 8)) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama", action="store_true", help="the transformers Llama rows alone, in latest-llama.json")
+    args = ap.parse_args(argv)
     from ckptopt.planning import Parallel
     from tests.common.ranks import predicted_and_measured
 
-    if sys.argv[1:] == ["--llama"]:  # the transformers rows alone, in their own file
+    if args.llama:  # the transformers rows alone, in their own file
         rows = llama_rows()
-        out = OUT.replace(".json", "_llama.json")
-        with open(out, "w") as f:
-            json.dump(dict(meta=run_metadata("ranks_accuracy"), rows=rows), f, indent=1)
+        out = result_path("ranks_accuracy", "llama")
+        write_json(out, dict(meta=run_metadata("ranks_accuracy"), rows=rows))
         print(f"\n{len(rows)} rank steps, {sum(r['gap'] == 8 for r in rows)} measured = predicted + 8 B; "
               f"gaps {sorted({r['gap'] for r in rows})}; wrote {out}")
         return 0
@@ -145,9 +143,7 @@ def main() -> int:
                         print(json.dumps(rows[-1]), flush=True)
     rows += gloo_rows()
     tracked = tracker_rows()
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(dict(meta=run_metadata("ranks_accuracy"), rows=rows, fsdp_mem_tracker=tracked), f, indent=1)
+    write_json(OUT, dict(meta=run_metadata("ranks_accuracy"), rows=rows, fsdp_mem_tracker=tracked))
     print("\n| process group | strategy | world | rank | optimizer | plan | predicted | measured | gap |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

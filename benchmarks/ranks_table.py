@@ -7,27 +7,22 @@ size then prices one rank from the same trace (``ckptopt.planning.Parallel``; FS
 Then the largest per-rank batch at sequence 4096 on 24, 40 and 80 GB GPUs (``max_batch``'s search,
 each answer b and b+1 confirmed by a trace).
 
-    python benchmarks/ranks_table.py [--models llama3-8b,llama3-70b] [--worlds 1,2,4,8,64] [--mixed-precision bf16]
+    python -m benchmarks.ranks_table [--models llama3-8b,llama3-70b] [--worlds 1,2,4,8,64] [--mixed-precision bf16]
 
-writes benchmarks/results/ranks_table.json and prints Markdown tables.
+writes benchmarks/results/ranks_table/latest.json (``latest-mixed.json`` with ``--mixed-precision``) and
+prints Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+from benchmarks.full_size import SHAPES
+from benchmarks.harness import result_path, run_metadata, write_json
 
-from _common import run_metadata  # noqa: E402
-from full_size import SHAPES  # noqa: E402
-
-OUT = os.path.join(HERE, "results")
 GiB = 2**30
 
 
@@ -156,7 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-max-batch", action="store_true")
     ap.add_argument("--max-batch-seq", default=4096, type=int)
     ap.add_argument("--max-batch-worlds", default="1,8,64")
-    ap.add_argument("--out", default=os.path.join(OUT, "ranks_table.json"))
+    ap.add_argument("--out", help="default benchmarks/results/ranks_table/latest.json (latest-mixed.json with "
+                    "--mixed-precision)")
     ap.add_argument("--markdown", nargs="+", metavar="JSON", help="print the tables of these result files and stop")
     ap.add_argument("--mixed-precision", choices=("bf16",), default=None,
                     help="fp32 weights and AdamW state, FSDP2 gathering and computing in bf16 (FSDP2 rows only; "
@@ -164,6 +160,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     global MIXED
     MIXED = args.mixed_precision
+    args.out = args.out or result_path("ranks_table", "mixed" if MIXED else None)
     if args.markdown:
         print(markdown(args.markdown))
         return 0
@@ -175,9 +172,7 @@ def main(argv=None) -> int:
             rows += peaks(name, b, s, worlds, ["fsdp"] if MIXED else ["fsdp", "ddp"])
         if not args.no_max_batch:
             fits += largest(name, int(args.max_batch_seq), [int(w) for w in args.max_batch_worlds.split(",")], [int(m) for m in args.memories.split(",")])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=run_metadata("ranks_table"), rows=rows, max_batch=fits), f, indent=1)
+    write_json(args.out, dict(meta=run_metadata("ranks_table"), rows=rows, max_batch=fits))
     print(f"wrote {args.out}")
     return 0
 

@@ -5,12 +5,12 @@ same instance, `--repeats` times, and the median is kept. Two times per solver:
 the optimum pass alone (the compiled kernel: the complexity the slopes measure) and
 the whole `solve()` call, which adds the least-recomputation tie-break (dp/dp2: a
 Pareto pass bounded at about 0.4 s and skipped above ~2,800 layers; linear: an
-O(n log n) pass). Writes benchmarks/results/solver_scaling.{json,png} and prints
-Markdown tables with the fitted log-log slopes (least squares over the sizes at or
-above `FIT_FROM`).
+O(n log n) pass). Writes benchmarks/results/solver_scaling/latest.{json,png}
+(``--quick``: ``latest-quick.{json,png}``) and prints Markdown tables with the fitted
+log-log slopes (least squares over the sizes at or above `FIT_FROM`).
 
-    python benchmarks/solver_scaling.py            # full run, about a minute on 2 cores
-    python benchmarks/solver_scaling.py --quick    # smaller sizes, seconds
+    python -m benchmarks.solver_scaling            # full run, about a minute on 2 cores
+    python -m benchmarks.solver_scaling --quick    # smaller sizes, seconds
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import RESULTS, code_version, command_line
 from ckptopt import ChainCosts, solve
 from ckptopt.solvers import exact, linear
 
-OUT = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "solver_scaling"
 
 SIZES = {
     "dp": [100, 200, 300, 500, 700, 1000, 1500, 2000],
@@ -90,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT, help="the folder written to (default benchmarks/results/solver_scaling)")
     args = ap.parse_args()
     sizes = QUICK if args.quick else SIZES
     solve(instance(5, 0), "dp")  # compile / load the kernels before timing anything
@@ -142,15 +143,16 @@ def main() -> None:
         python=platform.python_version(),
         numpy=np.__version__,
         numba=__import__("numba").__version__,
-        command="python benchmarks/solver_scaling.py" + (" --quick" if args.quick else ""),
+        command=command_line(),
         repeats=args.repeats,
+        **code_version(),
     )
     result = dict(meta=meta, seconds={s: {str(n): t for n, t in v.items()} for s, v in times.items()},
                   solve_seconds={s: {str(n): t for n, t in v.items()} for s, v in solve_times.items()},
                   slopes=slopes, peaks_agree_at=sorted(agree),
                   side_solve_seconds={str(n): t for n, t in side_times.items()})
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "solver_scaling_quick" if args.quick else "solver_scaling"
+    stem = "latest-quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
 
     print()

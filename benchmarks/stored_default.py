@@ -12,24 +12,19 @@ the time of the extra pass, and, where the plans differ, the default plan's
 peak measured on a training step on fake tensors with the exact storage
 tracker (``measure_peak(..., fake=True)``: the same bytes as a real CPU step).
 
-Writes ``benchmarks/results/stored_default.json``.
-Run: ``python benchmarks/stored_default.py``.
+Writes ``benchmarks/results/stored_default/latest.json``.
+Run: ``python -m benchmarks.stored_default``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
 
-import torch  # noqa: E402
-
-from _common import run_metadata  # noqa: E402
-from ckptopt import measure_peak, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.solvers import improve_with_stored  # noqa: E402
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import measure_peak, simulate, solve, trace, zoo
+from ckptopt.solvers import improve_with_stored
 
 MODELS = {
     "vgg16 b8 96²": ("vgg16", dict(batch_size=8, input_size=96)),
@@ -43,7 +38,6 @@ MODELS = {
     "mlp b256 w32 d8": ("mlp", dict(batch_size=256, width=32, depth=8)),
     "mlp b2048 w1024 d24": ("mlp", dict(batch_size=2048, width=1024, depth=24)),
 }
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def run_model(name: str) -> dict:
@@ -73,13 +67,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = ap.parse_args(argv)
-    os.makedirs(OUT, exist_ok=True)
     rows = {}
     for name in args.models:
         rows[name] = run_model(name)
         print(name, "done", flush=True)
-    with open(os.path.join(OUT, "stored_default.json"), "w") as fh:
-        json.dump(dict(meta=run_metadata("stored_default"), results=rows), fh, indent=1)
+    write_json(result_path("stored_default"), dict(meta=run_metadata("stored_default"), results=rows))
     print("| model | n | dp2 peak (recompute) | default peak (recompute) | change | stored segments "
           "| extra pass | measured - predicted |")
     print("|---|---|---|---|---|---|---|---|")

@@ -16,27 +16,22 @@ Also the step's absolute time: the calibrated prediction ``sum(forward + backwar
 against the measured no-checkpointing step. The budget plan is solved twice, on FLOPs
 and on calibrated time, and both are measured: what pricing by time buys.
 
-Writes ``benchmarks/results/time_calibration.json`` and prints a Markdown table.
-Run: ``python benchmarks/time_calibration.py [--rounds 9] [--device cpu]``. On a shared
+Writes ``benchmarks/results/time_calibration/latest.json`` (``latest-<device>.json`` on a GPU) and
+prints a Markdown table. Run: ``python -m benchmarks.time_calibration [--rounds 9] [--device cpu]``. On a shared
 2-core machine timing is noisy: medians of interleaved rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
 
-import torch  # noqa: E402
-
-from _common import run_metadata  # noqa: E402
-from ckptopt import apply_plan, simulate, solve, trace, zoo  # noqa: E402
-from ckptopt.calibration import calibrate  # noqa: E402
+from benchmarks.harness import device_label, result_path, run_metadata, write_json
+from ckptopt import apply_plan, simulate, solve, trace, zoo
+from ckptopt.calibration import calibrate
 
 MODELS = {
     "resnet18": ("resnet18", dict(batch_size=8, input_size=64)),
@@ -45,7 +40,6 @@ MODELS = {
     "gpt": ("gpt", dict(batch_size=4, depth=2, width=128, heads=4, seq_len=128, vocab=1000)),
     "mlp": ("mlp", dict(batch_size=1024, width=512, depth=12)),
 }
-OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
 def step_time(module, inputs, sync) -> float:
@@ -119,11 +113,9 @@ def main(argv=None) -> int:
                 errors["flops"].append(abs(row["predicted_ratio_flops"] - row["measured_ratio"]))
                 errors["calibrated"].append(abs(row["predicted_ratio_calibrated"] - row["measured_ratio"]))
     summary = {k: dict(median_abs_error=statistics.median(v), max_abs_error=max(v)) for k, v in errors.items() if v}
-    os.makedirs(OUT, exist_ok=True)
-    suffix = "" if args.device == "cpu" else "_" + args.device.replace(":", "")
-    with open(os.path.join(OUT, f"time_calibration{suffix}.json"), "w") as fh:
-        json.dump(dict(meta=run_metadata("time_calibration"), rounds=args.rounds, summary=summary, results=results),
-                  fh, indent=1)
+    label = None if args.device == "cpu" else device_label(args.device)
+    write_json(result_path("time_calibration", label), dict(meta=run_metadata("time_calibration", args.device),
+                                                             rounds=args.rounds, summary=summary, results=results))
     print("| model | plan | step time / no checkpointing: FLOPs | calibrated | measured | recompute (calibrated) |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():

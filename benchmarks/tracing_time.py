@@ -20,18 +20,17 @@ reported two ways:
 
 Also reported: the predicted peak of a training step without checkpointing
 (``simulate(costs, ())``) and with the optimal plan (``solve(costs, "dp2")``), in
-GiB. Target: each trace under 15 s. Writes ``benchmarks/results/tracing_time.json``
+GiB. Target: each trace under 15 s. Writes ``benchmarks/results/tracing_time/latest.json``
 and prints a Markdown table.
 
-    python benchmarks/tracing_time.py
-    python benchmarks/tracing_time.py --repeats 1 --models gpt24
+    python -m benchmarks.tracing_time
+    python -m benchmarks.tracing_time --repeats 1 --models gpt24
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import resource
 import statistics
 import sys
@@ -41,11 +40,10 @@ from pathlib import Path
 import torch
 import torch._dynamo.utils  # noqa: F401  - its first import (seconds) is not part of a trace
 
-from _common import run_metadata  # noqa: E402 (benchmarks/ is on sys.path when run as a script)
+from benchmarks.harness import result_path, run_metadata, write_json
 from ckptopt import simulate, solve, zoo
 from ckptopt.tracer import trace
 
-OUT = Path(__file__).resolve().parent / "results"
 TARGET_S = 15.0
 GIB = 2**30
 
@@ -155,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--out", type=Path, default=OUT / "tracing_time.json")
+    ap.add_argument("--out", type=Path, default=Path(result_path("tracing_time")))
     args = ap.parse_args()
 
     t_all = time.perf_counter()
@@ -171,8 +169,7 @@ def main() -> None:
         total_seconds=total,
         models=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(table(rows))
     print()
     print(f"Total {total:.0f} s (model building included). Wrote {args.out}")

@@ -8,27 +8,22 @@ with the step and with it replaced by a no-op, alternating the two, ``--repeats`
 run. The models: zoo ResNet-50 (8×3×96²), a 24-block zoo GPT (width 128, 2×128 tokens), and when transformers is
 installed a 4-layer Llama (width 256, batch 2×128) planned through the export front end.
 
-Writes ``benchmarks/results/verify_overhead.json``.
-Run: ``python benchmarks/verify_overhead.py [--repeats 5]``.
+Writes ``benchmarks/results/verify_overhead/latest.json``.
+Run: ``python -m benchmarks.verify_overhead [--repeats 5]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(__file__))
+import torch
 
-import torch  # noqa: E402
-
-import ckptopt.api as api  # noqa: E402
-from _common import run_metadata  # noqa: E402
-from ckptopt import optimize_checkpoints, zoo  # noqa: E402
+import ckptopt.api as api
+from benchmarks.harness import result_path, run_metadata, write_json
+from ckptopt import optimize_checkpoints, zoo
 
 
 def _models():
@@ -75,9 +70,8 @@ def main() -> None:
                    ratio=round(statistics.median(on) / statistics.median(off), 3))
         print(f"{name:24s} without {row['without_s']:.3f} s  with {row['with_s']:.3f} s  x{row['ratio']:.2f}", flush=True)
         rows.append(row)
-    out = os.path.join(os.path.dirname(__file__), "results", "verify_overhead.json")
-    with open(out, "w") as f:
-        json.dump(dict(meta=run_metadata("verify_overhead"), repeats=args.repeats, rows=rows), f, indent=1)
+    out = result_path("verify_overhead")
+    write_json(out, dict(meta=run_metadata("verify_overhead"), repeats=args.repeats, rows=rows))
     print("wrote", out)
 
 

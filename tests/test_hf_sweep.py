@@ -1,15 +1,13 @@
 """benchmarks/hf_sweep.py: the per-model check, in this process, on models that work today."""
 
 import os
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
-import hf_sweep  # noqa: E402
+from benchmarks import hf_sweep  # noqa: E402
 
 
 @pytest.mark.parametrize("name,task", [("GPT2LMHeadModel", "causal"), ("BertForMaskedLM", "masked")])
