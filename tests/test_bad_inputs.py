@@ -1,4 +1,4 @@
-"""The bad-input catalogue (README, Troubleshooting), one test per entry.
+"""The bad-input catalogue (docs/troubleshooting.md), one test per entry.
 
 Each test calls the public API (``optimize_checkpoints`` unless the entry
 names another), checks the error's type and that its message says what is
