@@ -6,8 +6,10 @@ Every benchmark runs from the repository root as ``python -m benchmarks.<name>``
 Results
 -------
 A benchmark writes ``benchmarks/results/<benchmark>/latest.json``: the newest run of its default
-configuration, replaced by the next run (git keeps the earlier ones). A configuration kept apart (another
-device, a subset of models, a variant flag such as ``--quick``) writes ``latest-<label>.json`` beside it.
+configuration, replaced by the next run (git keeps the earlier ones). A configuration kept apart writes
+``latest-<label>.json`` beside it: a variant flag (``--quick`` writes ``latest-quick.json``), another device
+(``latest-h200.json``, :func:`device_label`), or a run given its own ``--out`` (the sweep sample,
+``hf_sweep/latest-sample.json``).
 So every file in a benchmark's folder is the newest of its kind; nothing superseded stays there.
 ``python -m benchmarks.report`` builds ``benchmarks/RESULTS.md`` from these files. Input data that is not
 a result (the recorded inexact fuzz models ``exactness_fuzz --replay`` reads) lives in ``benchmarks/data/``.
