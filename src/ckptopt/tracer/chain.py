@@ -38,7 +38,7 @@ from ..solvers.streams import solves_within
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
 from .streams import layer_streams, merge_aliased, merge_outputless
-from .layer_series import reachable
+from .layer_run import reachable
 from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
 from .statics import param_views, place_statics, static_nodes

@@ -1,6 +1,6 @@
-"""The autograd pieces :func:`ckptopt.tracer.layer_costs.measure_layer` runs a layer with: a fresh
-input held by nothing but the caller, output gradients injected (whole, shared, or laid out as the
-next layer hands them out), pending side-tensor gradients, and the autocast weight casts."""
+"""The autograd pieces a layer is measured with (:mod:`ckptopt.tracer.layer_run`): a fresh input held
+by nothing but the caller, output gradients injected (whole, shared, or laid out as the next layer
+hands them out), pending side-tensor gradients, the pack hook's box, and the autocast weight casts."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+__all__ = ["FreshInput", "InjectGrad", "SharedGrad", "PendingGrad", "Packed", "autocast_weight_casts"]
 
-class _FreshInput(torch.autograd.Function):
+
+class FreshInput(torch.autograd.Function):
     """Hands out a tensor that requires grad, held by nothing but the caller.
 
     Unlike a leaf, its autograd node does not keep it alive (a leaf's
@@ -89,7 +91,7 @@ def _layout_grad(template: torch.Tensor, device: Any, layout: tuple | None) -> t
     return base.as_strided(template.shape, stride, offset)
 
 
-class _SharedGrad(torch.autograd.Function):
+class SharedGrad(torch.autograd.Function):
     """:class:`InjectGrad` for several outputs whose gradients are one storage in the model (an
     addition after them hands each the same gradient, a concatenation a slice of one): one buffer
     of ``nbytes``, a view of it per output."""
@@ -123,7 +125,7 @@ class _SharedGrad(torch.autograd.Function):
         return (None, None, *outs)
 
 
-class _Pending(torch.autograd.Function):
+class PendingGrad(torch.autograd.Function):
     """A side input's gradient that a later layer already made: its backward, run before the
     layer's (created last), hands the input a zero gradient of its size, so the layer's own
     contribution is summed out of place as in the model (where the engine buffers the first)."""
@@ -159,7 +161,7 @@ class _CastRecorder(TorchDispatchMode):
         return out
 
 
-def _autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
+def autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
                            static_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The weight copies autocast caches when ``module`` runs (none outside autocast).
 
@@ -183,7 +185,7 @@ def _autocast_weight_casts(module: nn.Module, args: list[torch.Tensor],
     return recorder.casts
 
 
-class _Packed:
+class Packed:
     """What the measuring pack hook hands autograd: a weak-referenceable box, so that the
     measurement can tell which saved tensors autograd still keeps after the forward. Unpacking
     it lets go of the tensor, as a checkpoint's recomputation does (``w`` finds it again while
@@ -196,6 +198,3 @@ class _Packed:
         self.w = None
         self.state = state  # [storage key, unpacked yet], shared with the release callback
 
-
-def _unpack(box: _Packed) -> torch.Tensor:
-    return box.t
