@@ -131,6 +131,25 @@ def test_no_source_file_is_too_long(name):
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines; split it along its stages"
 
 
+def _private_imports(name: str, source: str | None = None) -> list[str]:
+    """The private names (``_x``) module ``name`` imports from another ckptopt module."""
+    tree = ast.parse(MODULES[name].read_text() if source is None else source)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ckptopt")):
+            out += [f"{name}:{node.lineno} imports {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What a module shares it names without an underscore: a private name imported elsewhere is a
+    rule with two homes, or a public helper that does not say so."""
+    found = [line for name in MODULES for line in _private_imports(name)]
+    assert not found, "\n".join(found)
+    assert _private_imports("ckptopt.tracer.chain", "from .cuts import _mutated\n")  # (the reader sees one)
+
+
 def test_root_all_is_what_the_readme_documents():
     """Every name of ``ckptopt.__all__`` resolves, and the README's API table names each of them."""
     readme = (ROOT.parents[1] / "README.md").read_text()

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .torch_utils import _MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
+from .torch_utils import MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
 
 __all__ = ["FakeCopy", "fake_copy", "fake_mode", "DEVICE_FAKE_IMPLS", "device_meta_kernels", "idle_module_to", "quiet_fake_errors", "SHADOW_MAX_ELEMENTS"]
 
@@ -149,7 +149,7 @@ def _uncopyable(model: nn.Module, depth: int = 3) -> list[tuple[str, Any]]:
 
     for name, mod in model.named_modules():
         for attr, value in vars(mod).items():
-            if attr not in _MODULE_INTERNALS:
+            if attr not in MODULE_INTERNALS:
                 visit(f"{name + '.' if name else ''}{attr}", value, depth)
     return out
 

@@ -147,9 +147,9 @@ def _with_checkpoints(model: nn.Module, inputs: Inputs, loss_fn, checkpoints, st
     return apply_plan(model, tm, _as_plan(tm, checkpoints, stored))
 
 
-def _fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
-                build: Callable[[nn.Module, Any], nn.Module], timeline: bool = False,
-                keep_output: bool | Sequence[bool] = False) -> list[PeakMeasurement]:
+def fake_peaks(model: nn.Module, inputs: Inputs, loss_fn, plans: Iterable[Any],
+               build: Callable[[nn.Module, Any], nn.Module], timeline: bool = False,
+               keep_output: bool | Sequence[bool] = False) -> list[PeakMeasurement]:
     """One fake-tensor copy of ``model``; for each plan, the tracked peak of one step of
     ``build(copy, plan)`` (the copy itself for ``None``), or with ``keep_output`` (one flag, or
     one per plan) of a loop's step that keeps the output (:func:`_kept_output_steps`). Nothing is
@@ -207,7 +207,7 @@ def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None,
             raise ValueError("measure_peak: the model already has a ckptopt plan attached; pass checkpoints= "
                              "with a plain model (ckptopt.detach(model)), or leave it out")
         module = attached(model)
-        return _fake_peaks(model, inputs, loss_fn, [module.plan], lambda fm, p: apply_plan(fm, module.traced, p),
+        return fake_peaks(model, inputs, loss_fn, [module.plan], lambda fm, p: apply_plan(fm, module.traced, p),
                            timeline=True, keep_output=keep_output)[0]
     if isinstance(model, CheckpointedModule):
         # a rewritten module is not copied (deep-copying its graphs overflows the recursion
@@ -221,7 +221,7 @@ def _measure_fake(model: nn.Module, inputs: Inputs, loss_fn, checkpoints=None,
     else:
         traced = trace(model, inputs, loss_fn=loss_fn)
         plans, base = [_as_plan(traced, checkpoints)], model
-    return _fake_peaks(base, inputs, loss_fn, plans, lambda fm, p: apply_plan(fm, traced, p), timeline=True,
+    return fake_peaks(base, inputs, loss_fn, plans, lambda fm, p: apply_plan(fm, traced, p), timeline=True,
                        keep_output=keep_output)[0]
 
 
@@ -246,7 +246,7 @@ def measure_plans_fake(model: nn.Module, example_inputs: Any, traced: TracedMode
     check_module(model, "measure_plans_fake")
     inputs = normalize_inputs(example_inputs)
     plans = [_as_plan(traced, p) if isinstance(p, (tuple, list)) else p for p in plans]
-    return [m.peak_bytes for m in _fake_peaks(model, inputs, loss_fn, plans, lambda fm, p: apply(fm, traced, p))]
+    return [m.peak_bytes for m in fake_peaks(model, inputs, loss_fn, plans, lambda fm, p: apply(fm, traced, p))]
 
 
 def measure_peak_detailed(

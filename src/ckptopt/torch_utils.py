@@ -304,7 +304,7 @@ REWRITE_HINT = ("rewrite that line without reading a tensor's value (torch.where
 # --------------------------------------------------------------------------
 # plain-Python state of a model: what running its forward may change
 # --------------------------------------------------------------------------
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
 ATOMS = (type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), enum.Enum,
          torch.dtype, torch.device, torch.layout, torch.memory_format)
 _NO_SNAPSHOT = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
@@ -337,7 +337,7 @@ def python_state(model: nn.Module) -> PythonState:
     attrs, keys, contents = [], [], {}
     for _, mod in model.named_modules():
         own = vars(mod)
-        names = [k for k in own if k not in _MODULE_INTERNALS]
+        names = [k for k in own if k not in MODULE_INTERNALS]
         keys.append((mod, frozenset(names)))
         for attr in names:
             value = own[attr]
@@ -404,7 +404,7 @@ def restore_python_state(state: PythonState) -> None:
     failed = []
     for mod, names in state.keys:
         own = vars(mod)
-        for attr in [k for k in own if k not in _MODULE_INTERNALS and k not in names]:
+        for attr in [k for k in own if k not in MODULE_INTERNALS and k not in names]:
             try:
                 del own[attr]
             except Exception:  # noqa: BLE001

@@ -15,7 +15,7 @@ from ..tracer import trace
 from ..tracer.chain import trace_captured
 from ..tracer.meta import unmaterialized
 from ..units import parse_bytes
-from .estimate import (_sharded, batch_of, calibration_choice, check_keep_output, optimal_plan,
+from .estimate import (is_sharded, batch_of, calibration_choice, check_keep_output, optimal_plan,
                        plan_recompute_share, sharded_leaves)
 from .headroom import Headroom, check_calibrate, default_headroom, device_free_memory
 from .optimizer import OptimizerMemory, optimizer_memory
@@ -179,7 +179,7 @@ class BatchCosts:
         t1 = self.traced(b1)
         self.names = t1.costs.names
         self.param_bytes = t1.param_bytes
-        self.facts = param_facts(model, t1 if _sharded(parallel) else None, parallel=parallel)  # (the same layers at every batch)
+        self.facts = param_facts(model, t1 if is_sharded(parallel) else None, parallel=parallel)  # (the same layers at every batch)
         self.sizes = rank_costs(t1.costs, self.facts, self.param_bytes, parallel).sizes
         self._fit = None
         self._fit_at(b1, b2)
@@ -255,7 +255,7 @@ class BatchCosts:
     def for_parallel(self, parallel: Parallel | None) -> "BatchCosts":
         """The same traces and fit for another world size or strategy (``parallel`` must shard the same
         blocks: an FSDP2 one needs this object built for FSDP2, which records the blocks)."""
-        if _sharded(parallel) and not self.facts.units:
+        if is_sharded(parallel) and not self.facts.units:
             raise ValueError("for_parallel: these costs were built without FSDP2's blocks; build them with "
                              "parallel=Parallel(world_size, 'fsdp')")
         if getattr(parallel, "mixed_precision", None) != getattr(self.parallel, "mixed_precision", None):

@@ -181,14 +181,14 @@ def kept_output_extra(model, inputs: Inputs, loss_fn, traced, plans) -> list[tup
     """For each plan (``()``: none), what a loop that keeps the model's output adds to the forward
     and backward's peak, and the output's bytes: measured on one fake copy, a kept-output step
     (:func:`ckptopt.measure.measure_peak`'s ``keep_output``) against the modelled one."""
-    from ..measure import _fake_peaks
+    from ..measure import fake_peaks
     from ..rewriter import apply_plan
 
     plans = [None if not (p.checkpoints if isinstance(p, Plan) else p) else
              (p if isinstance(p, Plan) else Plan(tuple(p), 0, "given", 0.0, traced.n, ())) for p in plans]
     build = lambda fm, p: apply_plan(fm, traced, p)  # noqa: E731
     flags = [False] * len(plans) + [True] * len(plans)
-    runs = _fake_peaks(model, inputs, loss_fn, plans * 2, build, keep_output=flags)
+    runs = fake_peaks(model, inputs, loss_fn, plans * 2, build, keep_output=flags)
     plain, kept = runs[:len(plans)], runs[len(plans):]  # (one fake copy for both)
     return [(max(0, k.peak_bytes - m.peak_bytes), int(k.output_bytes or 0)) for k, m in zip(kept, plain)]
 
@@ -308,7 +308,8 @@ class Estimate:
                                       optimal=self.needed_bytes(self.optimal)))
 
 
-def _sharded(parallel: Parallel | None) -> bool:
+def is_sharded(parallel: Parallel | None) -> bool:
+    """Whether ``parallel`` shards the parameters (FSDP2), so the plan follows its units."""
     return parallel is not None and parallel.strategy == "fsdp"
 
 
@@ -327,7 +328,7 @@ def calibration_choice(calibrate: bool | None, device: str, model_device: str, p
 def sharded_leaves(model, parallel: Parallel | None, leaf_modules):
     """Under FSDP2 the blocks stay whole in a torch.fx graph (``fully_shard`` gathers a block when it is
     called, so a plan must keep the calls): the leaf modules default to the repeated blocks."""
-    if leaf_modules is None and _sharded(parallel):
+    if leaf_modules is None and is_sharded(parallel):
         return repeated_blocks(model) or None
     return leaf_modules
 
@@ -405,7 +406,7 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
 
         tm = dataclasses.replace(tm, costs=run_calibration(model, tm, inputs).apply(tm.costs))
     hr = headroom or default_headroom(dev, calibrated=calibrated)
-    rank = rank_costs(tm.costs, param_facts(model, tm if _sharded(parallel) else None, parallel=parallel),
+    rank = rank_costs(tm.costs, param_facts(model, tm if is_sharded(parallel) else None, parallel=parallel),
                       tm.param_bytes, parallel)
     opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
     best = optimal_plan(rank, opt)

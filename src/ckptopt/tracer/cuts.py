@@ -47,7 +47,7 @@ _INPLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "
                       "ilshift", "irshift", "imatmul"}
 
 
-def _mutated(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
+def mutated_args(gm: fx.GraphModule, n: fx.Node) -> list[fx.Node]:
     """The argument nodes op ``n`` writes in place: from the ATen schema (``Tensor(a!)``), a module
     or function called with ``inplace=True``, or a trailing-underscore method or function."""
     first = [n.args[0]] if n.args and isinstance(n.args[0], fx.Node) else []
@@ -130,7 +130,7 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             reaching.add(n)
     # the last op that writes each tensor's storage in place: a tensor crossing a cut must not be
     # written after it (a checkpoint would recompute from, or find, a modified input)
-    writes = [(pos[n], values[a]) for n in ops for a in _mutated(gm, n) if isinstance(values.get(a), torch.Tensor)]
+    writes = [(pos[n], values[a]) for n in ops for a in mutated_args(gm, n) if isinstance(values.get(a), torch.Tensor)]
     last_write: dict[fx.Node, int] = {}
     if writes:
         for n in ops:

@@ -82,10 +82,10 @@ def _unwritten(gm: fx.GraphModule, values: dict[fx.Node, Any], static: set[fx.No
     """``static`` less the values an op that is not static writes in place (PEGASUS-X fills a static
     ``zeros`` with the sines of positions computed from the embeddings' length): such a storage holds
     what the model computes, where it computes it, and so does everything computed from it."""
-    from .cuts import _mutated
+    from .cuts import mutated_args
 
     ops = [n for n in gm.graph.nodes if n not in static and n.op in ("call_function", "call_method", "call_module")]
-    written = [values[a] for n in ops for a in _mutated(gm, n) if a in static and tensor_leaves(values.get(a))]
+    written = [values[a] for n in ops for a in mutated_args(gm, n) if a in static and tensor_leaves(values.get(a))]
     if not written:
         return static
     out: set[fx.Node] = set()
