@@ -242,7 +242,8 @@ def test_regression(case: Case):
     if case.facts or case.plans:
         model, x, tm = traced(case.spec, case.seed, **case.trace_kw())
         for fact in case.facts:
-            assert fact.holds(Traced(model, x, tm)), f"{case.id}: not so: {fact.says}"
+            holds = bool(fact.holds(Traced(model, x, tm)))
+            assert holds, f"{case.id}: not so: {fact.says}"
         if case.plans:
             case.check(model, x, tm, plans_of(case, tm))
     if case.fuzz:
