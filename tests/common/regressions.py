@@ -3,7 +3,7 @@
 Each :class:`Case` states the rule the model must get right, the random model that tests it, what
 must hold of its trace (:class:`Fact`), and the plans whose measured peaks must match their
 predictions (a check of ``tests/common/exactness.py``). ``tests/test_fuzz.py::test_regression``
-runs every case; ``git log -S '<case id>'`` finds the story of how each was found.
+runs every case; ``git log --grep '<case id>'`` finds the story of how each was found.
 """
 
 from __future__ import annotations
