@@ -41,7 +41,7 @@ add("loss", 4, 0, 1, 0, 0, 4, a)
 
 names, *cols = zip(*layers)
 static = sum(cols[1]) + B * 3 * S * S * F
-costs = ChainCosts(*cols, static=static, names=names)
+costs = ChainCosts(**dict(zip(("a", "p", "sin", "sout", "m", "f", "b"), cols)), static=static, names=names)
 out = Path(__file__).resolve().parents[1] / "src" / "ckptopt" / "data" / "conv_chain.json"
 costs.to_json(out, indent=None)
 print(f"wrote {out}: n = {costs.n}")

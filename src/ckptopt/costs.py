@@ -4,80 +4,14 @@ Two forms share one type, :class:`ChainCosts`.
 
 **Full form** (docs/design.md §3, measured against PyTorch). Layers
 ``0..n-1`` run in order; ``x_i`` is the output of layer ``i`` and the model
-input ``x_{-1}`` is part of the static bytes. Per layer:
-
-=========  =================================================================
-``a[i]``   bytes of the output ``x_i`` (its gradient has the same size)
-``p[i]``   parameter bytes (the gradient of the parameters has the same size)
-``sin[i]`` the layer saves its input ``x_{i-1}`` for backward
-``sout[i]`` the layer saves its output ``x_i`` for backward
-``m[i]``   bytes of everything else it saves (statistics, masks...)
-``f[i]``   forward transient: forward peak minus parameters and input
-``b[i]``   backward transient: backward peak minus parameters, saved set
-           and output gradient (includes the new parameter and input gradients)
-``fs[i]``  (optional) forward transient up to the last tensor the layer saves:
-           a recomputation ending with this layer stops there. Default: ``f[i]``
-           if the layer saves its output or extra tensors, else 0
-``ff[i]``, ``ffs[i]`` (optional) ``f[i]`` and ``fs[i]`` with the input dying at its last use
-           inside the layer, where nothing else holds it (no save of the layer before, no
-           checkpoint). Default: ``f[i]``, ``fs[i]``
-``fc[i]``, ``ffc[i]`` (optional) ``f[i]`` and ``ff[i]`` in a checkpoint's first pass, whose pack
-           hook keeps none of the tensors the layer saves: each dies at its last use (a
-           normalization's input), where autograd elsewhere keeps it to the backward. The
-           forward terms of a checkpointed segment read them (``fc`` its first layer, whose
-           input the call holds). Default: ``f[i]``, ``ff[i]``
-``rg[i]``  (optional) gradient bytes the backward of layer ``i`` holds when it first
-           reads a saved tensor (its output gradient plus what ops that save
-           nothing, at the end of the layer, already produced): a recomputation
-           this backward triggers starts there. Default: ``a[i]``
-``bk[i]``  (optional) ``b[i]`` when only the checkpoint of a segment it starts holds its
-           input: non-reentrant checkpoint keeps its inputs on a frame that the
-           segment's saved tensors reference, so the input is freed once the
-           layer's last saved tensor is released (read only where the previous
-           segment does not keep the input). Default: ``b[i]``
-``bf[i]``  (optional) ``b[i]`` when nothing but the layer itself holds its input although
-           layer ``i-1`` saves its output: the first layer of an unwrapped segment
-           after a checkpointed one, whose previous layer is not recomputed yet.
-           ``b[i]`` is measured as inside a segment (the input held iff layer ``i-1``
-           saves its output), so it is ``bf[i]`` already where layer ``i-1`` saves
-           nothing, and ``bf`` is read only where it does. Default: ``b[i]``
-``br[i]``, ``bkr[i]`` (optional) ``b[i]`` and ``bk[i]`` in a checkpointed segment, whose saved
-           tensors are recomputed: the checkpoint hands each out once and keeps none, so
-           it dies when the backward node that reads it returns, before the engine
-           reduces that node's gradients to its inputs' shapes (a bias's sum), where
-           autograd elsewhere keeps it until after. Default: ``b[i]``, ``bk[i]``
-``brt[i]``, ``bkrt[i]`` (optional) ``br[i]``, ``bkr[i]`` from the backward's first read of a saved
-           tensor on: where layer ``i`` is a checkpointed segment's last saving layer, that read
-           triggers the recomputation, and the part before runs without the recomputed tensors.
-           Default: ``br[i]``, ``bkr[i]``
-``rgp[i]`` (optional) ``rg[i]`` at the peak of that first part (at least ``rg[i]``), taken
-           with the recomputation. Default: ``rg[i]``
-``g[i]``   (optional) bytes of the storage that holds layer ``i``'s output gradient while its
-           backward runs: ``a[i]``, unless layer ``i+1``'s backward hands it a view of a
-           larger tensor (a concatenation's backward hands out slices of its output
-           gradient), which stays alive whole, or the output is a view of a larger storage
-           (one chunk of a projection, whose gradient is the chunk's size), or 0 when no
-           gradient reaches the output (layer ``i+1`` reads it only in ops no output depends
-           on; its side outputs carry the gradient). Default: ``a[i]``
-``groot[i]`` (optional) the layer whose output gradient's storage holds layer ``i``'s
-           (``i``, or a later layer that handed it a view): a side tensor's gradient that
-           views the same storage is counted once. Default: ``i``
-``gh[i]``  (optional) what layer ``i``'s backward peak gains when its output gradient
-           outlives it (a side tensor's gradient viewing that storage keeps it). Default: 0
-``fpre[i]``, ``fpost[i]`` (optional, together) layer ``i``'s backward peak, relative as ``b``,
-           before and from the moment its last saved tensor is released (a checkpoint's
-           frame goes then, and the side tensors only it holds). Default: none known
-``fkpre[i]``, ``fkpost[i]`` (optional, with ``fpre``) the same where only the frame holds
-           the layer's input (the first layer of a checkpointed segment that no earlier layer keeps
-           the input of: the input goes with the frame, as ``bkr`` has it). Default: ``fpre``, ``fpost``
-``holds[i]`` (optional flag) the layer keeps saved tensors none of ``sin``, ``sout``, ``m``
-           counts (a static model input, a parameter): a checkpointed segment holding it
-           keeps its checkpoint, and its backward triggers the recomputation. Default: False
-``dead[i]`` (optional flag) the forward packs tensors autograd does not keep (a dead
-           branch): a recomputation re-packs them too, so one that reaches
-           layer ``i`` runs it (up to ``fs``). Default: False
-``static`` K: parameters, buffers and the model input
-=========  =================================================================
+input ``x_{-1}`` is part of the static bytes. The per-layer fields are declared
+once, in :data:`ckptopt.cost_fields.FULL` (symbol, name, unit, meaning, default;
+the glossary of docs/design.md §3): ``a, p, sin, sout, m, f, b`` are required,
+the rest refine them where the tracer measured more and default to what they
+refine. Each field is a keyword and an attribute under its symbol (the paper's
+notation, the key in a cost file) and under its name (``forward_free`` for
+``ff``). ``static`` (K) is the bytes held for the whole step: parameters,
+buffers and the model input.
 
 **Side tensors** (optional, full form; ``docs/design.md`` §4): tensors that cross a
 layer boundary besides the chain tensor ``x_{i-1}`` -- an encoder output every
@@ -103,8 +37,8 @@ costs 1, so "least recomputation" means "fewest layers run again". An optional
 instead of ``3 sum(c)``; ``unit`` names the unit (``"flops"``, or ``"ns"`` for
 times measured on a device by :mod:`ckptopt.calibration`).
 
-**Additive form** (the form the O(n) solver is exact for): arrays ``w``,
-``h``, ``q``; a plan whose segments are ``[l_0=0, r_0], [l_1, r_1], ...`` has
+**Additive form** (the form the O(n) solver is exact for, :data:`ckptopt.cost_fields.ADDITIVE`):
+arrays ``w``, ``h``, ``q``; a plan whose segments are ``[l_0=0, r_0], [l_1, r_1], ...`` has
 peak ``static + max_k (sum_{j=1..k} w[l_j] + max_{i in [l_k, r_k]}
 (sum_{t=l_k}^{i-1} h[t] + q[i]))``; ``w[0]`` is unused.
 
@@ -122,26 +56,21 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from .cost_fields import ADDITIVE, FULL, OPTIONAL, REQUIRED, Field, by_key
 from .errors import InvalidCosts
 from .sides import SideArrays, SideTensor, side_tensors
 
 __all__ = ["ChainCosts", "KernelArrays", "SideTensor", "SideArrays"]
 
-_FULL_FIELDS = ("a", "p", "sin", "sout", "m", "f", "b")
-_ADDITIVE_FIELDS = ("w", "h", "q")
-_FLAG_FIELDS = ("sin", "sout", "dead", "holds")
-_DEFAULTS_TO = {"brt": "br", "bkrt": "bkr", "rgp": "rg", "fkpre": "fpre", "fkpost": "fpost"}  # optional fields left out of a file where they equal these
+_FULL = by_key(FULL)
+_ADDITIVE = by_key(ADDITIVE)
 # Sums of byte counts must stay far from int64 overflow in the solvers' sums.
 _MAX_TOTAL = 2**60
 _FORMAT = "ckptopt.ChainCosts"
 _VERSION = 1
 
 
-#: Fields relative to a layer's backward start, which an input freed during the backward can put below 0.
-_SIGNED_FIELDS = ("fpre", "fpost", "fkpre", "fkpost")
-
-
-def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
+def _int_array(field: str, values: Any, flag: bool = False, signed: bool = False) -> np.ndarray:
     """Convert ``values`` to a read-only 1-D int64 array, or raise InvalidCosts."""
     if isinstance(values, (str, bytes)) or values is None:
         raise InvalidCosts(
@@ -197,7 +126,7 @@ def _int_array(field: str, values: Any, flag: bool = False) -> np.ndarray:
             )
     out = arr.astype(np.int64)
     neg = out < 0
-    if neg.any() and field not in _SIGNED_FIELDS:
+    if neg.any() and not signed:
         i = int(np.flatnonzero(neg)[0])
         raise InvalidCosts(
             f"field {field!r} index {i}: {int(out[i])} is negative; sizes are non-negative bytes",
@@ -226,6 +155,50 @@ def _int_scalar(field: str, value: Any) -> int:
     if v >= _MAX_TOTAL:
         raise InvalidCosts(f"field {field!r}: {v} is too large", field=field)
     return v
+
+
+def _by_symbol(given: Mapping[str, Any], table: dict[str, Field], kind: str) -> dict[str, Any]:
+    """The given fields under their symbols (a name is the same field; both is an error), None dropped."""
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if key not in table:
+            raise InvalidCosts(f"a cost model of kind {kind!r} has no field {key!r} (see ckptopt.cost_fields)",
+                               field=key)
+        symbol = table[key].symbol
+        if symbol in out:
+            raise InvalidCosts(f"field {symbol!r} given twice (as {symbol!r} and {table[symbol].name!r})",
+                               field=symbol)
+        if value is not None:
+            out[symbol] = value
+    return out
+
+
+def _check_given(fields: tuple[Field, ...], given: dict[str, Any]) -> None:
+    """Every required field is given, and every field with the fields it goes with."""
+    missing = [f.symbol for f in fields if f.default == REQUIRED and f.symbol not in given]
+    if missing:
+        raise InvalidCosts(f"a cost model needs field(s) {', '.join(missing)}", field=missing[0])
+    for f in fields:
+        lacking = [x for x in f.needs if x not in given]
+        if f.symbol in given and lacking:
+            raise InvalidCosts(f"field {f.symbol!r} goes with {', '.join(map(repr, lacking))}: give "
+                               f"{'them' if len(lacking) > 1 else 'it'} too", field=f.symbol)
+
+
+def _with_defaults(fields: tuple[Field, ...], values: dict[str, np.ndarray], given: set, n: int) -> dict[str, np.ndarray]:
+    """Every field in table order: as given (validated), or filled by its default from the fields before
+    it; an optional field nothing gives, and a default refining it, stay missing."""
+    out: dict[str, np.ndarray] = {}
+    for f in fields:
+        if f.symbol in values:
+            out[f.symbol] = values[f.symbol]
+        elif isinstance(f.default, str) and f.default in out:
+            out[f.symbol] = out[f.default]
+        elif callable(f.default):
+            arr = np.asarray(f.default(out, given, n), dtype=np.int64)
+            arr.setflags(write=False)
+            out[f.symbol] = arr
+    return out
 
 
 class KernelArrays(NamedTuple):
@@ -303,14 +276,18 @@ class KernelArrays(NamedTuple):
     ckf: np.ndarray
 
     @classmethod
-    def of(cls, *arrays: np.ndarray) -> "KernelArrays":
-        """Contiguous read-only int64 copies, in field order (one array type for every kernel)."""
-        out = []
-        for x in arrays:
-            x = np.array(x, dtype=np.int64, copy=True)
+    def of(cls, n: int, **arrays: Any) -> "KernelArrays":
+        """Contiguous read-only int64 copies of the arrays given by name; a field not given is zeros
+        (length ``n``). One array type for every kernel."""
+        unknown = set(arrays) - set(cls._fields)
+        if unknown:
+            raise TypeError(f"KernelArrays has no field(s) {', '.join(sorted(unknown))}")
+        out = {}
+        for name in cls._fields:
+            x = np.array(arrays[name] if name in arrays else np.zeros(n), dtype=np.int64, copy=True)
             x.setflags(write=False)
-            out.append(x)
-        return cls(*out)
+            out[name] = x
+        return cls(**out)
 
 
 class ChainCosts:
@@ -318,122 +295,46 @@ class ChainCosts:
 
     Parameters
     ----------
-    a, p, sin, sout, m, f, b : sequences of length n
-        The full-form quantities (see the module docstring and docs/design.md
-        §3). ``sin``/``sout`` are flags (bool or 0/1).
+    **fields : sequences of length n
+        The per-layer fields by symbol or name (:data:`ckptopt.cost_fields.FULL`; see the module
+        docstring and docs/design.md §3): ``a, p, sin, sout, m, f, b`` are required, the rest
+        optional. ``sin``/``sout`` and the other flags take bools or 0/1.
     static : int
         Bytes held for the whole step (parameters, buffers, model input).
     names : sequence of str, optional
         A label per layer, for display.
+    c, cb, unit : optional
+        Forward and backward compute per layer, and its unit (module docstring).
+    side : sequence of SideTensor or dict, optional
+        Tensors crossing layer boundaries besides the chain tensor (docs/design.md §4).
 
     Raises
     ------
     InvalidCosts
-        When lengths disagree, ``n < 1``, or a value is negative, not an
-        integer, or not a flag; the exception names the field and index.
+        When lengths disagree, ``n < 1``, a field is unknown or missing, or a value is negative,
+        not an integer, or not a flag; the exception names the field and index.
 
     Examples
     --------
-    >>> c = ChainCosts.additive(w=[0, 4], h=[4, 4], q=[8, 8])
-    >>> c.n, c.kind
-    (2, 'additive')
+    >>> c = ChainCosts(a=[4, 4], p=[0, 0], sin=[1, 1], sout=[0, 0], m=[0, 0], f=[4, 4], b=[4, 4])
+    >>> c.f is c.forward, c.ff.tolist()  # a name for each symbol; ff (the input dying) defaults to f
+    (True, [4, 4])
+    >>> ChainCosts.additive(w=[0, 4], h=[4, 4], q=[8, 8]).kind
+    'additive'
     """
 
-    def __init__(
-        self,
-        a: Sequence[int],
-        p: Sequence[int],
-        sin: Sequence[bool],
-        sout: Sequence[bool],
-        m: Sequence[int],
-        f: Sequence[int],
-        b: Sequence[int],
-        static: int = 0,
-        names: Iterable[str] | None = None,
-        fs: Sequence[int] | None = None,
-        c: Sequence[int] | None = None,
-        rg: Sequence[int] | None = None,
-        dead: Sequence[bool] | None = None,
-        bk: Sequence[int] | None = None,
-        bf: Sequence[int] | None = None,
-        g: Sequence[int] | None = None,
-        holds: Sequence[bool] | None = None,
-        cb: Sequence[int] | None = None,
-        unit: str = "flops",
-        side: Sequence[SideTensor | Mapping[str, Any]] | None = None,
-        groot: Sequence[int] | None = None,
-        gh: Sequence[int] | None = None,
-        fpre: Sequence[int] | None = None,
-        fpost: Sequence[int] | None = None,
-        fkpre: Sequence[int] | None = None,
-        fkpost: Sequence[int] | None = None,
-        br: Sequence[int] | None = None,
-        bkr: Sequence[int] | None = None,
-        brt: Sequence[int] | None = None,
-        bkrt: Sequence[int] | None = None,
-        rgp: Sequence[int] | None = None,
-        ff: Sequence[int] | None = None,
-        ffs: Sequence[int] | None = None,
-        fc: Sequence[int] | None = None,
-        ffc: Sequence[int] | None = None,
-    ):
-        values = dict(a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b)
-        optional = dict(fs=fs, rg=rg, dead=dead, bk=bk, bf=bf, ff=ff, ffs=ffs, fc=fc, ffc=ffc, br=br, bkr=bkr,
-                        brt=brt, bkrt=bkrt, rgp=rgp, g=g, holds=holds, groot=groot, gh=gh)
-        values.update({name: given for name, given in optional.items() if given is not None})
-        if (fpre is None) != (fpost is None):
-            raise InvalidCosts("fields 'fpre' and 'fpost' go together: give both or neither", field="fpre")
-        if (fkpre is not None or fkpost is not None) and fpre is None:
-            raise InvalidCosts("fields 'fkpre' and 'fkpost' refine 'fpre' and 'fpost': give those too", field="fkpre")
-        if fpre is not None:
-            values["fpre"] = fpre
-            values["fpost"] = fpost
-            values["fkpre"] = fpre if fkpre is None else fkpre
-            values["fkpost"] = fpost if fkpost is None else fkpost
-        self._init("full", values, static, names, c, cb, unit)
-        if ff is None:
-            self._fields["ff"] = self._fields["f"]
-        if fc is None:
-            self._fields["fc"] = self._fields["f"]
-        if ffc is None:
-            self._fields["ffc"] = self._fields["ff"]
-        if fs is None:  # default: a layer re-run to its end if it saves what it produces
-            d = np.where((self.sout > 0) | (self.m > 0), self.f, 0).astype(np.int64)
-            d.setflags(write=False)
-            self._fields["fs"] = d
-            if ffs is None:
-                d = np.where((self.sout > 0) | (self.m > 0), self._fields["ff"], 0).astype(np.int64)
-                d.setflags(write=False)
-                self._fields["ffs"] = d
-        if ffs is None and "ffs" not in self._fields:
-            self._fields["ffs"] = self._fields["fs"]
-        if rg is None:  # default: only the output gradient when the backward first reads
-            self._fields["rg"] = self._fields["a"]
-        for given, name in ((bk, "bk"), (bf, "bf"), (br, "br")):
-            if given is None:
-                self._fields[name] = self._fields["b"]
-        for given, name, default in ((bkr, "bkr", "bk"), (brt, "brt", "br"), (bkrt, "bkrt", "bkr"), (rgp, "rgp", "rg")):
-            if given is None:
-                self._fields[name] = self._fields[default]
-        if g is None:
-            self._fields["g"] = self._fields["a"]
-        for flag, given in (("dead", dead), ("holds", holds)):
-            if given is None:
-                z = np.zeros(self.n, dtype=np.int64)
-                z.setflags(write=False)
-                self._fields[flag] = z
-        if gh is None:
-            z = np.zeros(self.n, dtype=np.int64)
-            z.setflags(write=False)
-            self._fields["gh"] = z
-        if groot is None:
-            r = np.arange(self.n, dtype=np.int64)
-            r.setflags(write=False)
-            self._fields["groot"] = r
-        bad = np.flatnonzero((self._fields["groot"] < np.arange(self.n)) | (self._fields["groot"] >= self.n))
+    def __init__(self, *, static: int = 0, names: Iterable[str] | None = None, c: Sequence[int] | None = None,
+                 cb: Sequence[int] | None = None, unit: str = "flops",
+                 side: Sequence[SideTensor | Mapping[str, Any]] | None = None, **fields: Sequence[int]):
+        given = _by_symbol(fields, _FULL, "full")
+        _check_given(FULL, given)
+        self._init("full", given, static, names, c, cb, unit)
+        self._fields = _with_defaults(FULL, self._fields, set(given), self.n)
+        groot = self._fields["groot"]
+        bad = np.flatnonzero((groot < np.arange(self.n)) | (groot >= self.n))
         if bad.size:
             i = int(bad[0])
-            raise InvalidCosts(f"field 'groot' index {i}: {int(self._fields['groot'][i])} is not a layer in {i}..{self.n - 1} "
+            raise InvalidCosts(f"field 'groot' index {i}: {int(groot[i])} is not a layer in {i}..{self.n - 1} "
                                "(the layer whose output gradient's storage holds layer i's: itself or a later one)",
                                field="groot", index=i)
         self.side = side_tensors(self.n, side)
@@ -441,9 +342,10 @@ class ChainCosts:
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None, cb: Any = None,
               unit: str = "flops") -> None:
+        table = _FULL if kind == "full" else _ADDITIVE
         fields = {}
         for name, v in values.items():
-            fields[name] = _int_array(name, v, flag=name in _FLAG_FIELDS)
+            fields[name] = _int_array(name, v, flag=table[name].flag, signed=table[name].signed)
         lengths = [len(arr) for arr in fields.values()]
         n = max(set(lengths), key=lambda x: (lengths.count(x), -lengths.index(x)))
         for name, arr in fields.items():
@@ -546,34 +448,23 @@ class ChainCosts:
         layers = data.get("layers")
         if not isinstance(layers, Mapping):
             raise InvalidCosts("cost file has no 'layers' object with one array per field", field="layers")
-        wanted = _FULL_FIELDS if kind == "full" else _ADDITIVE_FIELDS if kind == "additive" else None
-        if wanted is None:
+        if kind not in ("full", "additive"):
             raise InvalidCosts(f"unknown cost model kind {kind!r}: expected 'full' or 'additive'", field="kind")
-        missing = [k for k in wanted if k not in layers]
+        fields, table = (FULL, _FULL) if kind == "full" else (ADDITIVE, _ADDITIVE)
+        missing = [f.symbol for f in fields if f.default == REQUIRED and f.symbol not in layers and f.name not in layers]
         if missing:
             raise InvalidCosts(
                 f"cost file of kind {kind!r} lacks field(s) {', '.join(missing)} in 'layers'",
                 field=missing[0],
             )
-        extra = sorted(set(layers) - set(wanted) - ({"fs", "rg", "dead", "bk", "bf", "br", "bkr", "brt", "bkrt", "rgp", "ff", "ffs", "fc", "ffc", "g", "holds", "groot", "gh",
-                                                     "fpre", "fpost", "fkpre", "fkpost"} if kind == "full" else set()))
+        extra = sorted(set(layers) - set(table))
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
-        static = data.get("static", 0)
-        names = data.get("names")
-        compute = data.get("compute")
-        unit = data.get("compute_unit", "flops")
+        common = dict(static=data.get("static", 0), names=data.get("names"), c=data.get("compute"),
+                      cb=data.get("backward_compute"), unit=data.get("compute_unit", "flops"))
         if kind == "full":
-            return cls(**{k: layers[k] for k in wanted}, static=static, names=names, fs=layers.get("fs"),
-                       rg=layers.get("rg"), dead=layers.get("dead"), holds=layers.get("holds"),
-                       bk=layers.get("bk"), bf=layers.get("bf"), g=layers.get("g"), c=compute, cb=data.get("backward_compute"), unit=unit,
-                       side=data.get("side"), groot=layers.get("groot"), gh=layers.get("gh"),
-                       fpre=layers.get("fpre"), fpost=layers.get("fpost"), fkpre=layers.get("fkpre"),
-                       fkpost=layers.get("fkpost"), br=layers.get("br"), bkr=layers.get("bkr"),
-                       brt=layers.get("brt"), bkrt=layers.get("bkrt"), rgp=layers.get("rgp"),
-                       ff=layers.get("ff"), ffs=layers.get("ffs"), fc=layers.get("fc"), ffc=layers.get("ffc"))
-        return cls.additive(**{k: layers[k] for k in wanted}, static=static, names=names, c=compute,
-                            cb=data.get("backward_compute"), unit=unit)
+            return cls(**layers, side=data.get("side"), **common)
+        return cls.additive(**{table[k].symbol: v for k, v in layers.items()}, **common)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike) -> "ChainCosts":
@@ -603,19 +494,7 @@ class ChainCosts:
             "version": _VERSION,
             "kind": self.kind,
             "static": self.static,
-            "layers": {
-                k: [bool(x) for x in v] if k in _FLAG_FIELDS else [int(x) for x in v]
-                for k, v in self._fields.items()
-                if not (k == "groot" and np.array_equal(v, np.arange(len(v))))  # (the defaults)
-                and not (k == "gh" and not v.any())
-                and not (k == "br" and np.array_equal(v, self._fields["b"]))
-                and not (k == "bkr" and np.array_equal(v, self._fields["bk"]))
-                and not (k in _DEFAULTS_TO and np.array_equal(v, self._fields[_DEFAULTS_TO[k]]))
-                and not (k == "ff" and np.array_equal(v, self._fields["f"]))
-                and not (k == "ffs" and np.array_equal(v, self._fields["fs"]))
-                and not (k == "fc" and np.array_equal(v, self._fields["f"]))
-                and not (k == "ffc" and np.array_equal(v, self._fields["ff"]))
-            },
+            "layers": self._written_layers(),
         }
         if self.names is not None:
             out["names"] = list(self.names)
@@ -629,6 +508,22 @@ class ChainCosts:
             out["side"] = [t.to_dict() for t in self.side]
         return out
 
+    def _written_layers(self) -> dict[str, list]:
+        """The per-layer fields as a cost file has them, in table order: a field that equals the default
+        it would be read back with is left out (docs/design.md §3 says which fields may be)."""
+        written: dict[str, list] = {}
+        for f in FULL if self.kind == "full" else ADDITIVE:
+            v = self._fields.get(f.symbol)
+            if v is None:
+                continue
+            if f.omit_default:
+                default = (self._fields.get(f.default) if isinstance(f.default, str)
+                           else f.default(self._fields, set(written), self.n))
+                if default is not None and np.array_equal(v, default):
+                    continue
+            written[f.symbol] = [bool(x) for x in v] if f.flag else [int(x) for x in v]
+        return written
+
     def to_json(self, path: str | os.PathLike | None = None, indent: int | None = 1) -> str:
         """Serialize to JSON; also write it to ``path`` when given. Returns the text."""
         text = json.dumps(self.to_dict(), indent=indent)
@@ -639,11 +534,14 @@ class ChainCosts:
 
     # -- access ---------------------------------------------------------------
     def __getattr__(self, name: str) -> np.ndarray:
-        # Only called when normal lookup fails: expose the per-layer fields.
+        # Only called when normal lookup fails: the per-layer fields, by symbol or by name.
         fields = self.__dict__.get("_fields")
-        if fields is not None and name in fields:
-            return fields[name]
-        if fields is not None and name in _FULL_FIELDS + _ADDITIVE_FIELDS:
+        if fields is None:
+            raise AttributeError(name)
+        table = _FULL if self.kind == "full" else _ADDITIVE
+        if name in table and table[name].symbol in fields:
+            return fields[table[name].symbol]
+        if name in _FULL or name in _ADDITIVE:
             raise AttributeError(f"a cost model of kind {self.kind!r} has no field {name!r}")
         raise AttributeError(name)
 
@@ -722,7 +620,9 @@ class ChainCosts:
             ck = w.copy()
             ck[0] = 0
             one = np.ones(n, dtype=np.int64)
-            return KernelArrays.of(P, q, ck, z, z, z, z, z, one, one, one, z, z, h, z, z, one, q, q, q, q, z, z, q, q, z, z)
+            # every backward term is q; every layer runs, saves and saves its input; the rest is 0
+            return KernelArrays.of(n, P=P, qb=q, ck=ck, runs=one, saves=one, sin=one, keep=h, ext=one, qbk=q, qbf=q,
+                                   qbr=q, qbkr=q, qbt=q, qbkt=q)
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -769,9 +669,10 @@ class ChainCosts:
                     u = l
                 elif u < n:
                     ckf[l] = max(pre[u] + a_prev[l], post[u]) - max(pre[u], post[u]) - a_prev[l]
-        return KernelArrays.of(P, qb, a_prev, qf, fw, f, G, a, runs, saves, sin, qs, fs, keep, sout, rb, ext, qbk,
-                               qbf, qbr, qbkr, ff, self._fields["fc"], qb - b + self._fields["brt"],
-                               qb - b + self._fields["bkrt"], rbp, ckf)
+        return KernelArrays.of(n, P=P, qb=qb, ck=a_prev, qf=qf, fw=fw, f=f, G=G, a=a, runs=runs, saves=saves, sin=sin,
+                               qs=qs, fs=fs, keep=keep, sout=sout, rb=rb, ext=ext, qbk=qbk, qbf=qbf, qbr=qbr, qbkr=qbkr,
+                               ff=ff, fc=self._fields["fc"], qbt=qb - b + self._fields["brt"],
+                               qbkt=qb - b + self._fields["bkrt"], rbp=rbp, ckf=ckf)
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

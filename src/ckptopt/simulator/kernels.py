@@ -349,8 +349,9 @@ def tiny_instance(n: int = 3) -> tuple[KernelArrays, np.ndarray]:
     """A small instance with the array types of real cost models (for compiling kernels)."""
     z = np.zeros(n, dtype=np.int64)
     one = np.ones(n, dtype=np.int64)
-    K = KernelArrays.of(np.arange(n + 1), one, z, one, one, one, z, one, one, one, one, one, one, one, one, one,
-                        one, one, one, one, one, one, one, one, one, one, z)
+    arrays = {name: one for name in KernelArrays._fields}  # every layer saves, runs, holds one byte ...
+    arrays.update(P=np.arange(n + 1), ck=z, G=z, ckf=z)  # ... no checkpoint, no parameter gradient
+    K = KernelArrays.of(n, **arrays)
     cpre = np.arange(n + 1, dtype=np.int64)
     cpre.setflags(write=False)  # as ChainCosts.compute_prefix: read-only arrays are another signature
     return K, cpre
