@@ -59,9 +59,9 @@ def side_instance(n: int, seed: int) -> ChainCosts:
 
     rng = np.random.default_rng(seed)
     a = rng.integers(1000, 100_000, n)
-    side = [SideTensor(200_000, n // 2, tuple(range(n // 2 + 1, n, 4)), tuple(range(n // 2 + 1, n, 8))),
-            SideTensor(30_000, n // 2 + 1, tuple(range(n // 2 + 2, n, 5)), tuple(range(n // 2 + 2, n, 5)))]
-    side += [SideTensor(int(a[k]), k, (k + 2,), (k + 2,)) for k in range(1, n - 3, 7)]
+    side = [SideTensor(200_000, n // 2, tuple(range(n // 2 + 1, n, 4)), saved_by=tuple(range(n // 2 + 1, n, 8))),
+            SideTensor(30_000, n // 2 + 1, tuple(range(n // 2 + 2, n, 5)), saved_by=tuple(range(n // 2 + 2, n, 5)))]
+    side += [SideTensor(int(a[k]), k, (k + 2,), saved_by=(k + 2,)) for k in range(1, n - 3, 7)]
     return ChainCosts(a=a, p=rng.integers(0, 1000, n), sin=rng.integers(0, 2, n), sout=rng.integers(0, 2, n),
                       m=rng.integers(0, 50_000, n), f=a + rng.integers(0, 1000, n), b=2 * a + rng.integers(0, 1000, n),
                       side=side)

@@ -66,7 +66,7 @@ def early_side_costs(draw, max_n: int = 8):
     for _ in range(draw(st.integers(1, 3))):
         cons = sorted(set(draw(st.lists(st.integers(0, c.n - 1), min_size=1, max_size=3))))
         savers = tuple(u for u in cons if draw(st.booleans()))
-        early.append(SideTensor(draw(st.integers(0, 100)), -1, tuple(cons), savers, 0, "mask"))
+        early.append(SideTensor(draw(st.integers(0, 100)), -1, tuple(cons), saved_by=savers, grad=0, name="mask"))
     d = c.to_dict()
     d["side"] = d.get("side", []) + [t.to_dict() for t in early]
     return ChainCosts.from_dict(d)
@@ -113,7 +113,7 @@ def test_bad_side_tensors_are_refused_with_the_field():
 
 def test_side_tensors_survive_json():
     base = dict(a=[1] * 4, p=[0] * 4, sin=[0] * 4, sout=[0] * 4, m=[0] * 4, f=[1] * 4, b=[1] * 4)
-    c = ChainCosts(**base, side=[SideTensor(7, 0, (2, 3), (3,), 9, "enc")])
+    c = ChainCosts(**base, side=[SideTensor(7, 0, (2, 3), saved_by=(3,), grad=9, name="enc")])
     assert ChainCosts.from_json(c.to_json()) == c
 
 
@@ -140,7 +140,7 @@ def wide_side_costs(draw, max_n: int = 9):
     for _ in range(draw(st.integers(0, 2))):
         cons = sorted(set(draw(st.lists(st.integers(0, c.n - 1), min_size=1, max_size=3))))
         early.append(SideTensor(draw(st.integers(0, hi)), -1, tuple(cons),
-                                tuple(u for u in cons if draw(st.booleans())), 0, "mask"))
+                                saved_by=tuple(u for u in cons if draw(st.booleans())), grad=0, name="mask"))
     d = c.to_dict()
     d["side"] = [t.to_dict() for t in side + early]
     try:
@@ -281,8 +281,8 @@ def test_a_recomputed_copy_let_go_with_the_frame_is_one_release():
     n = 4
     c = ChainCosts(a=[4] * n, p=[0] * n, sin=[False] * n, sout=[False] * n, m=[0, 0, 1, 0], f=[4] * n,
                    b=[4, 4, 40, 4], fpre=[0, 0, 10, 0], fpost=[0, 0, 30, 0],
-                   side=[SideTensor(15, 0, (2,), (2,), 0, saved_pre=(10,), saved_post=(30,)),
-                         SideTensor(15, 1, (2,), (2,), 0, saved_pre=(10,), saved_post=(30,))])
+                   side=[SideTensor(15, 0, (2,), saved_by=(2,), grad=0, saved_pre=(10,), saved_post=(30,)),
+                         SideTensor(15, 1, (2,), saved_by=(2,), grad=0, saved_pre=(10,), saved_post=(30,))])
     sim = simulate(c, (1, 3))
     assert (sim.phase, sim.layer) == ("backward", 2)
     assert sim.peak_bytes == reference_peak(c, (1, 3))

@@ -8,7 +8,7 @@ model holds it; :class:`SideArrays` is the same as arrays for the compiled kerne
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -99,6 +99,7 @@ class SideTensor:
     bytes: int
     producer: int
     consumers: tuple[int, ...]
+    _: KW_ONLY
     saved_by: tuple[int, ...] = ()
     grad: int | None = None
     name: str = ""
@@ -193,9 +194,10 @@ class SideArrays(NamedTuple):
     ``sdie``: its ``last_gain``; ``sdief``: its ``last_gain_full`` (``last_gain`` where None); ``sdiec``:
     its ``last_gain_ckpt``; ``sdie_f``, ``sdief_f``, ``sdiec_f``: the same with the reader's input dying too.
     ``svpre``/``svpost`` (per saver, CSR by ``svptr``/``svu``): the release split;
-    ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``hasrel``: known per
-    side tensor (2: a recomputed copy's split too; the last entry: the frame's ``fpre``/``fpost`` and
-    ``fkpre``/``fkpost`` are given).
+    ``_r``: a recomputed copy's, ``_f``: with the saver's input held by nothing else; ``split_known``: per
+    side tensor, 0 no split is known (held to the saver's end), 1 its splits, 2 a recomputed copy's too;
+    ``fpre``/``fpost``/``fkpre``/``fkpost``: the frame's split per layer (``ChainCosts``), and
+    ``frame_known``: 1 where the cost model gives them.
     """
 
     sa: np.ndarray
@@ -220,7 +222,7 @@ class SideArrays(NamedTuple):
     svpost_r: np.ndarray
     svpre_f: np.ndarray
     svpost_f: np.ndarray
-    hasrel: np.ndarray
+    split_known: np.ndarray
     fpre: np.ndarray
     fpost: np.ndarray
     fkpre: np.ndarray
@@ -231,6 +233,7 @@ class SideArrays(NamedTuple):
     sdie_f: np.ndarray
     sdief_f: np.ndarray
     sdiec_f: np.ndarray
+    frame_known: int
 
     @classmethod
     def build(cls, n: int, side: Sequence[SideTensor], groot: Sequence[int] | None = None,
@@ -288,38 +291,76 @@ class SideArrays(NamedTuple):
                                 outlives = True     # backward, lets the view go within it)
                 # ... but it then outlives the layer's backward, which its b assumed freed
                 out[i] = sum(keys.values()) + (int(gh[i]) if gh is not None and outlives and lo == 0 else 0)
-        svptr, svu, svpre, svpost, svpre_r, svpost_r, svpre_f, svpost_f, hasrel = [0], [], [], [], [], [], [], [], []
-        for t in side:
-            svu.extend(t.saved_by)
-            zero = [0] * len(t.saved_by)
-            svpre.extend(t.saved_pre or zero)
-            svpost.extend(t.saved_post or zero)
-            svpre_r.extend(t.saved_pre_rec or t.saved_pre or zero)
-            svpost_r.extend(t.saved_post_rec or t.saved_post or zero)
-            svpre_f.extend(t.saved_pre_free or t.saved_pre or zero)
-            svpost_f.extend(t.saved_post_free or t.saved_post or zero)
-            hasrel.append(2 if t.saved_pre_rec else 1 if t.saved_pre else 0)
-            svptr.append(len(svu))
+        splits = _release_splits(side)
         have = fpre is not None and fpost is not None
         fp = list(fpre) if have else [0] * n
         fq = list(fpost) if have else [0] * n
-        fkp = list(fkpre) if have and fkpre is not None else fp
-        fkq = list(fkpost) if have and fkpost is not None else fq
-        hasrel.append(1 if have else 0)  # (the last entry: the frame peaks are given)
-        arrays = [sa, sg, sp, smax, cptr, cu, csv, psv, optr, olist, bptr, blist, bgrad, rside,
-                  svptr, svu, svpre, svpost, svpre_r, svpost_r, svpre_f, svpost_f, hasrel, fp, fq, fkp, fkq,
-                  [t.last_gain for t in side],
-                  [t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side],
-                  [t.last_gain_ckpt for t in side]]
-        held = arrays[-3:]
-        arrays += [[h[j] if v is None else v for j, v in enumerate(getattr(t, k) for t in side)]
-                   for h, k in zip(held, ("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"))]
-        out = []
-        for x in arrays:
+        arrays = dict(sa=sa, sg=sg, sp=sp, smax=smax, cptr=cptr, cu=cu, csv=csv, psv=psv, optr=optr, olist=olist,
+                      bptr=bptr, blist=blist, bgrad=bgrad, rside=rside, **splits, fpre=fp, fpost=fq,
+                      fkpre=list(fkpre) if have and fkpre is not None else fp,
+                      fkpost=list(fkpost) if have and fkpost is not None else fq,
+                      **_dying_gains(side))
+        out = {}
+        for name, x in arrays.items():
             x = np.array(x, dtype=np.int64).reshape(-1)
             x.setflags(write=False)
-            out.append(x)
-        return cls(*out)
+            out[name] = x
+        return cls(**out, frame_known=int(have))
+
+
+def _release_splits(side: Sequence[SideTensor]) -> dict[str, list]:
+    """The release splits per saver (CSR): as autograd keeps the tensor, as a recomputed copy goes, with the
+    saver's input held by nothing else (each the first where the others are not known), and what is known."""
+    out: dict[str, list] = dict(svptr=[0], svu=[], svpre=[], svpost=[], svpre_r=[], svpost_r=[], svpre_f=[],
+                                svpost_f=[], split_known=[])
+    for t in side:
+        out["svu"].extend(t.saved_by)
+        zero = [0] * len(t.saved_by)
+        out["svpre"].extend(t.saved_pre or zero)
+        out["svpost"].extend(t.saved_post or zero)
+        out["svpre_r"].extend(t.saved_pre_rec or t.saved_pre or zero)
+        out["svpost_r"].extend(t.saved_post_rec or t.saved_post or zero)
+        out["svpre_f"].extend(t.saved_pre_free or t.saved_pre or zero)
+        out["svpost_f"].extend(t.saved_post_free or t.saved_post or zero)
+        out["split_known"].append(2 if t.saved_pre_rec else 1 if t.saved_pre else 0)
+        out["svptr"].append(len(out["svu"]))
+    return out
+
+
+def _dying_gains(side: Sequence[SideTensor]) -> dict[str, list]:
+    """Per side tensor, its dying gains (``last_gain`` and kin) with the reader's input held, then dying
+    too (each of the second as the first where not known)."""
+    held = dict(sdie=[t.last_gain for t in side],
+                sdief=[t.last_gain if t.last_gain_full is None else t.last_gain_full for t in side],
+                sdiec=[t.last_gain_ckpt for t in side])
+    free = {}
+    for (name, h), key in zip(held.items(), ("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free")):
+        free[name + "_f"] = [h[j] if getattr(t, key) is None else getattr(t, key) for j, t in enumerate(side)]
+    return {**held, **free}
+
+
+_FREE_GAINS = ("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free")
+
+
+def _from_mapping(t: Mapping, where: str, k: int) -> SideTensor:
+    """A side tensor from its dict (a cost file's form, :meth:`SideTensor.to_dict`)."""
+    fields = SideTensor.__dataclass_fields__
+    unknown = set(t) - set(fields)
+    if unknown:
+        raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
+    lacking = [key for key in ("bytes", "producer", "consumers") if key not in t]
+    if lacking:
+        raise InvalidCosts(f"{where} lacks {lacking[0]!r} (needs bytes, producer, consumers)", field="side", index=k)
+    try:
+        given = {key: tuple(v) if isinstance(fields[key].default, tuple) or key == "consumers" else v
+                 for key, v in t.items()}
+        if "name" in given:
+            given["name"] = str(given["name"])
+        if "grad_view" in given:
+            given["grad_view"] = int(given["grad_view"])
+        return SideTensor(**given)
+    except TypeError as exc:
+        raise InvalidCosts(f"{where}: {exc}", field="side", index=k) from None
 
 
 def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
@@ -332,26 +373,7 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
     for k, t in enumerate(side):
         where = f"side tensor {k}"
         if isinstance(t, Mapping):
-            unknown = set(t) - {"bytes", "producer", "consumers", "saved_by", "grad", "name", "grad_view",
-                                "saved_pre", "saved_post", "grad_by", "last_gain", "last_gain_full",
-                                "saved_pre_rec", "saved_post_rec", "last_gain_ckpt", "saved_pre_free",
-                                "saved_post_free", "last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"}
-            if unknown:
-                raise InvalidCosts(f"{where} has unknown key(s) {', '.join(sorted(unknown))}", field="side", index=k)
-            try:
-                t = SideTensor(t["bytes"], t["producer"], tuple(t["consumers"]), tuple(t.get("saved_by", ())),
-                               t.get("grad"), str(t.get("name", "")), int(t.get("grad_view", -1)),
-                               tuple(t.get("saved_pre", ())), tuple(t.get("saved_post", ())),
-                               tuple(t.get("grad_by", ())), t.get("last_gain", 0), t.get("last_gain_full"),
-                               tuple(t.get("saved_pre_rec", ())), tuple(t.get("saved_post_rec", ())),
-                               t.get("last_gain_ckpt", 0), tuple(t.get("saved_pre_free", ())),
-                               tuple(t.get("saved_post_free", ())), t.get("last_gain_free"),
-                               t.get("last_gain_full_free"), t.get("last_gain_ckpt_free"))
-            except KeyError as exc:
-                raise InvalidCosts(f"{where} lacks {exc.args[0]!r} (needs bytes, producer, consumers)",
-                                   field="side", index=k) from None
-            except TypeError as exc:
-                raise InvalidCosts(f"{where}: {exc}", field="side", index=k) from None
+            t = _from_mapping(t, where, k)
         if not isinstance(t, SideTensor):
             raise InvalidCosts(f"{where} is a {type(t).__name__}, not a SideTensor or a dict", field="side", index=k)
         size = _count(f"side[{k}].bytes", t.bytes)
@@ -398,18 +420,21 @@ def side_tensors(n: int, side: Any) -> tuple[SideTensor, ...]:
         if any(u not in set(cons) for u in gby):
             raise InvalidCosts(f"{where}: grad_by {gby} are not all consumers {cons}", field="side", index=k)
         gain, full = t.last_gain, t.last_gain_full
-        frees = (t.last_gain_free, t.last_gain_full_free, t.last_gain_ckpt_free)
+        frees = tuple(getattr(t, key) for key in _FREE_GAINS)
         for what, v in (("last_gain", gain), ("last_gain_full", full), ("last_gain_ckpt", t.last_gain_ckpt),
-                        *zip(("last_gain_free", "last_gain_full_free", "last_gain_ckpt_free"), frees)):
+                        *zip(_FREE_GAINS, frees)):
             if v is None and what != "last_gain" and what != "last_gain_ckpt":
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v > 0:
                 raise InvalidCosts(f"{where}: {what} {v!r} is not an integer at most 0 (what its last consumer's "
                                    "forward peak changes by when it dies there)", field="side", index=k)
-        out.append(SideTensor(size, int(prod), tuple(int(u) for u in cons), saved, grad, t.name, int(view),
-                              pre, post, gby if gby != tuple(int(u) for u in cons) else (), int(gain),
-                              None if full is None else int(full), pre_r, post_r, int(t.last_gain_ckpt),
-                              pre_f, post_f, *(None if v is None else int(v) for v in frees)))
+        out.append(SideTensor(
+            bytes=size, producer=int(prod), consumers=tuple(int(u) for u in cons), saved_by=saved, grad=grad,
+            name=t.name, grad_view=int(view), saved_pre=pre, saved_post=post,
+            grad_by=gby if gby != tuple(int(u) for u in cons) else (), last_gain=int(gain),
+            last_gain_full=None if full is None else int(full), saved_pre_rec=pre_r, saved_post_rec=post_r,
+            last_gain_ckpt=int(t.last_gain_ckpt), saved_pre_free=pre_f, saved_post_free=post_f,
+            **{key: None if v is None else int(v) for key, v in zip(_FREE_GAINS, frees)}))
     opened = [0] * (n + 1)
     for t in out:
         for b in range(t.producer + 1, t.consumers[-1] + 1):

@@ -109,7 +109,8 @@ def side_tensors(draw, n: int, hi: int, max_side: int = 4, max_open: int = 3):
             pre_f = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
             post_f = tuple(draw(st.lists(st.integers(0, hi), min_size=len(savers), max_size=len(savers))))
         gby = tuple(u for u in cons if draw(st.booleans())) if grad != 0 and draw(st.booleans()) else ()
-        out.append(SideTensor(size, p, tuple(cons), tuple(savers), grad, "", view, pre, post, gby,
+        out.append(SideTensor(size, p, tuple(cons), saved_by=tuple(savers), grad=grad, grad_view=view, saved_pre=pre,
+                              saved_post=post, grad_by=gby,
                               saved_pre_rec=pre_r, saved_post_rec=post_r, saved_pre_free=pre_f,
                               saved_post_free=post_f))
     return out

@@ -87,7 +87,7 @@ def _release_add(SD, j, u, sa, rec, free):
     that read it, ``svpre_r``/``svpost_r``; ``free``: ``u``'s input held by nothing but its own saves,
     ``svpre_f``/``svpost_f``), ``sa`` throughout when they are not known."""
     q = _saver_index(SD, j, u)
-    if SD.hasrel[j] == 0 or q < 0:
+    if SD.split_known[j] == 0 or q < 0:
         return sa
     pre = SD.svpre_r[q] if rec else SD.svpre_f[q] if free else SD.svpre[q]
     post = SD.svpost_r[q] if rec else SD.svpost_f[q] if free else SD.svpost[q]
@@ -110,7 +110,7 @@ def _frame_add(SD, u, x, alone):
     """What ``x`` bytes held by a checkpoint's frame add to layer ``u``'s backward, the frame going
     when ``u``'s last saved tensor is released (``x`` throughout when that moment is not known);
     ``alone``: the frame alone holds ``u``'s input, which goes with it."""
-    if SD.hasrel[SD.hasrel.shape[0] - 1] == 0:
+    if SD.frame_known == 0:
         return x
     pre, post = frame_split(SD, u, alone)
     top = pre if pre > post else post
@@ -185,7 +185,7 @@ def _with_frame(SD, j, u, alone):
     Then it is one release with the frame (``max(pre + both, post)``): split apart, each saw the other
     gone before its release (a random chain model 6,144 B under, 7.6%, tests/test_fuzz.py)."""
     q = _saver_index(SD, j, u)
-    if SD.hasrel[j] == 0 or SD.hasrel[SD.hasrel.shape[0] - 1] == 0 or q < 0:
+    if SD.split_known[j] == 0 or SD.frame_known == 0 or q < 0:
         return False
     pre, post = frame_split(SD, u, alone)
     return SD.svpre_r[q] == pre and SD.svpost_r[q] == post
@@ -236,7 +236,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
     # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
     jb = joint_base(mark)
-    joint = not unwrapped and seg_saves and SD.hasrel[SD.hasrel.shape[0] - 1] != 0 and not (alone and fsv == l)
+    joint = not unwrapped and seg_saves and SD.frame_known != 0 and not (alone and fsv == l)
     mark[jb] = 0 if joint else -1
     mark[jb + 1] = K.ck[l] if joint and alone else 0
     free = alone and unwrapped and K.sout[l - 1] != 0
@@ -330,7 +330,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                         for i in range(rho + 1, trigger + 1):
                             badd[i] += sa
                         q = _saver_index(SD, j, rho)
-                        if rho == fsv and joint and SD.hasrel[j] == 2 and q >= 0:  # (a split of that timeline)
+                        if rho == fsv and joint and SD.split_known[j] == 2 and q >= 0:  # (a split of that timeline)
                             o = jb + 2 + 3 * mark[jb]  # (priced with the frame's release)
                             mark[o], mark[o + 1], mark[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
                             mark[jb] += 1

@@ -173,9 +173,9 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
                     gcoef[G, k] = coef[k, t]
                 G += 1
                 continue
-            hasrel = SD.hasrel[SD.hasrel.shape[0] - 1] != 0
+            frame_known = SD.frame_known != 0
             pre, post = frame_split(SD, fsv, l > 0 and flag == 0 and fsv == l)
-            if not hasrel:
+            if not frame_known:
                 pre, post = 0, 0
             top = pre if pre > post else post
             # + max(pre + x, post) - top, x the frame's bytes: (pre - top + x) and (post - top)
@@ -183,7 +183,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
             for k in range(nb):
                 gcoef[G, k] = coef[k, t] + framek[k]
             G += 1
-            if hasrel:
+            if frame_known:
                 gbase[G] = v + post - top
                 for k in range(nb):
                     gcoef[G, k] = coef[k, t]

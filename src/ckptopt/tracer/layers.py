@@ -360,10 +360,11 @@ class _Found:
                              if pre and all(r is not None for r in free) else ((), ()))
             if (pre_f, post_f) == (pre, post):
                 pre_f, post_f = (), ()
-            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], savers,
-                                   max(grad, own) if grad else 0, node.name, view, pre, post,
-                                   gby if gby != tuple(streams.consumers[t]) else (),
-                                   *gains[:2], saved_pre_rec=pre_r, saved_post_rec=post_r, last_gain_ckpt=gains[2],
+            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], saved_by=savers,
+                                   grad=max(grad, own) if grad else 0, name=node.name, grad_view=view,
+                                   saved_pre=pre, saved_post=post,
+                                   grad_by=gby if gby != tuple(streams.consumers[t]) else (),
+                                   last_gain=gains[0], last_gain_full=gains[1], saved_pre_rec=pre_r, saved_post_rec=post_r, last_gain_ckpt=gains[2],
                                    last_gain_free=free_gains[0], last_gain_full_free=free_gains[1],
                                    last_gain_ckpt_free=free_gains[2],
                                    saved_pre_free=pre_f, saved_post_free=post_f))
@@ -480,7 +481,8 @@ def hoisted_side_tensors(hoisted: list[fx.Node], layers: list[Layer], values: di
             pre = tuple(int(r[0]) for r in members[0][2])
             post = tuple(int(r[1]) for r in members[0][2])
         name = members[0][0].name + (f" (+{len(members) - 1})" if len(members) > 1 else "")
-        out.append(SideTensor(int(size), -1, readers, savers, 0, name, -1, pre, post))
+        out.append(SideTensor(int(size), -1, readers, saved_by=savers, grad=0, name=name, saved_pre=pre,
+                              saved_post=post))
     return out, still
 
 
