@@ -259,36 +259,3 @@ def test_a_held_output_gradient_leaves_nothing_behind_after_the_trace():
     model, x, tm = traced(OUTPUT_GRADIENT_OUTLIVES_THE_BACKWARD, 91550067)
     assert tm.n > 1
     assert _fake_objects() == before
-
-
-def test_equal_dying_gains_are_ordered_by_rank():
-    """_dying_gains on made-up measurements: of equal gains, the side tensor of the lowest rank takes them
-    (without ranks, the first in order); ranks break ties only."""
-    from ckptopt.tracer.layer_series import _dying_gains
-
-    table = {(0,): -128, (1,): -128, (0, 1): -128}
-    assert _dying_gains([0, 1], lambda s: table[s], 2) == [-128, 0]
-    assert _dying_gains([0, 1], lambda s: table[s], 2, rank=[(2, 0), (1, -2)]) == [0, -128]
-    assert _dying_gains([0, 1], lambda s: {(0,): -100, (1,): -128, (0, 1): -128}[s], 2, rank=[0, 1]) == [0, -128]
-
-
-def test_gains_of_side_inputs_dying_together_cover_every_set():
-    """_dying_gains on made-up measurements: every set's sum at least its change (never under), exact for
-    the whole set where the parts add up, and the old rule (the largest alone) past the cap."""
-    import itertools
-
-    from ckptopt.tracer.layer_series import _dying_gains
-
-    for table in ({(0,): -4, (1,): -4, (0, 1): -8},  # additive: both exact
-                  {(0,): 0, (1,): -6, (0, 1): -9},  # one alone saves nothing, together more
-                  {(0,): -5, (1,): -5, (0, 1): -5},  # either one suffices
-                  {(0,): -2, (1,): -3, (2,): -1, (0, 1): -5, (0, 2): -2, (1, 2): -4, (0, 1, 2): -7}):
-        dying = sorted({k for s in table for k in s})
-        g = _dying_gains(dying, lambda s: table[tuple(sorted(s))], 4)
-        assert all(x <= 0 for x in g)
-        for size in range(1, len(dying) + 1):
-            for s in itertools.combinations(dying, size):
-                assert sum(g[k] for k in s) >= table[s], (table, g, s)
-    assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -4, (0, 1): -8}[s], 2) == [-4, -4]
-    assert sum(_dying_gains([0, 1], lambda s: {(0,): -5, (1,): -5, (0, 1): -5}[s], 2)) == -5  # (the whole set)
-    assert _dying_gains([0, 1], lambda s: {(0,): -4, (1,): -6}[s], 2, cap=1) == [0, -6]

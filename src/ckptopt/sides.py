@@ -299,7 +299,7 @@ class SideArrays(NamedTuple):
                       bptr=bptr, blist=blist, bgrad=bgrad, rside=rside, **splits, fpre=fp, fpost=fq,
                       fkpre=list(fkpre) if have and fkpre is not None else fp,
                       fkpost=list(fkpost) if have and fkpost is not None else fq,
-                      **_dying_gains(side))
+                      **_gain_arrays(side))
         out = {}
         for name, x in arrays.items():
             x = np.array(x, dtype=np.int64).reshape(-1)
@@ -327,7 +327,7 @@ def _release_splits(side: Sequence[SideTensor]) -> dict[str, list]:
     return out
 
 
-def _dying_gains(side: Sequence[SideTensor]) -> dict[str, list]:
+def _gain_arrays(side: Sequence[SideTensor]) -> dict[str, list]:
     """Per side tensor, its dying gains (``last_gain`` and kin) with the reader's input held, then dying
     too (each of the second as the first where not known)."""
     held = dict(sdie=[t.last_gain for t in side],

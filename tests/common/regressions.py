@@ -718,7 +718,7 @@ CASES: tuple[Case, ...] = (
     Case(
         id="side-inputs-dying-together",
         rule="Side inputs dying together in one layer are each counted: every set of them is measured, and "
-             "each gets the least gain that keeps every set covered (_dying_gains).",
+             "each gets the least gain that keeps every set covered (dying_gains).",
         spec=Spec(family="mlp", dtype="float32", batch=4, shape=(27,), nodes=(
             Node("ln", (0,)), Node("cat", (0, 1)), Node("cat", (1, 2)), Node("gelu", (3,)), Node("sigmoid", (4,)),
             Node("cat", (3, 1), inplace="relu_"), Node("cat", (4, 6)),
@@ -731,7 +731,7 @@ CASES: tuple[Case, ...] = (
     Case(
         id="equal-dying-gains-go-to-the-least-likely-held",
         rule="Of equal dying gains, the side tensor a plan is least likely to hold elsewhere gets them first "
-             "(_dying_gains(rank=...)).",
+             "(dying_gains(rank=...)).",
         spec=Spec(family="conv", dtype="bfloat16", batch=2, shape=(5, 4, 4), classes=1, nodes=(
             Node("conv3", (0,), width=3, inplace="relu_"), Node("cat", (1, 0)), Node("cat", (0, 2)),
             Node("avgpool", (3,)), Node("gelu", (4,)), Node("cat", (4, 5)), Node("cat", (0, 3)), Node("cat", (3, 1)),
