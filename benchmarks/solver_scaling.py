@@ -125,7 +125,7 @@ def main() -> None:
               flush=True)
 
     side_times: dict[int, float] = {}
-    for n in (SIDE_QUICK if args.quick else SIDE_SIZES):  # exact side-tensor program (solvers.streams)
+    for n in (SIDE_QUICK if args.quick else SIDE_SIZES):  # exact side-tensor program (solvers.side_tensors)
         c = side_instance(n, seed=n)
         ts = [solve(c, "dp2").solve_seconds for _ in range(args.repeats)]
         side_times[n] = statistics.median(ts)

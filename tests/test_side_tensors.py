@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ckptopt import ChainCosts, InvalidCosts, simulate, solve
 from ckptopt.costs import SideTensor
 from ckptopt.simulator import plan_recompute
-from ckptopt.solvers import streams
+from ckptopt.solvers import side_tensors as side_solvers
 from ckptopt.solvers.pareto import pareto_front
 
 from .common.reference import reference_peak
@@ -47,7 +47,7 @@ def test_exact_programs_against_every_plan(c):
         assert plan.peak_bytes == low, name
         # among the plans reaching it, the least recomputation
         assert plan_recompute(c, plan.checkpoints) == min(x[1] for x in checkpoint_only if x[0] == low), name
-    value, ck, st = streams.lowest_peak(c, allow_stored=True)
+    value, ck, st = side_solvers.lowest_peak(c, allow_stored=True)
     assert value + c.static == min(x[0] for x in scored) == simulate(c, ck, st).peak_bytes
     front = pareto_front(c, None, allow_stored=True)
     assert front[0].peak_bytes == value + c.static
@@ -76,13 +76,13 @@ def early_side_costs(draw, max_n: int = 8):
 @given(early_side_costs())
 def test_exact_programs_with_hoisted_values_against_every_plan(c):
     """The programs skip the states in which an earlier segment holds a hoisted value none of its
-    readers has reached yet (unreachable: ``streams.unheld_bits``); the optimum and the Pareto front
+    readers has reached yet (unreachable: ``side_solvers.unheld_bits``); the optimum and the Pareto front
     are still those of every plan."""
     scored = [(simulate(c, p, s).peak_bytes, plan_recompute(c, p, s), p, s) for p, s in plans(c.n)]
     low = min(x[0] for x in scored if not x[3])
     for name in ("dp", "dp2"):
         assert solve(c, name).peak_bytes == low, name
-    value, ck, st_ = streams.lowest_peak(c, allow_stored=True)
+    value, ck, st_ = side_solvers.lowest_peak(c, allow_stored=True)
     assert value + c.static == min(x[0] for x in scored) == simulate(c, ck, st_).peak_bytes
     for point in pareto_front(c, None, allow_stored=True):
         assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
@@ -158,7 +158,7 @@ def test_segment_terms_are_the_terms_of_segment_peak_add(c):
     import numpy as np
 
     from ckptopt.simulator.kernels import NEG, segment_peak_add, segment_terms
-    from ckptopt.simulator.streams import side_scratch, side_terms
+    from ckptopt.simulator.side_tensors import side_scratch, side_terms
 
     K, SD = c.kernel_arrays, c.side_arrays
     fadd, radd, badd, mark = side_scratch(c.n, len(c.side))
@@ -188,7 +188,7 @@ def test_segments_scored_for_every_mask_at_once(c):
 def _assert_masks_as_one_by_one(c):
     import numpy as np
 
-    from ckptopt.solvers.streams import _context, _segment, _segment_masks
+    from ckptopt.solvers.side_tensors import _context, _segment, _segment_masks
 
     SD, off, unheld, scratch = _context(c)
     fadd, radd, badd, mark, ws = scratch
@@ -214,7 +214,7 @@ def test_mask_programs_against_every_plan_with_many_open(c):
     scored = [(simulate(c, p, s).peak_bytes, plan_recompute(c, p, s), p, s) for p, s in plans(c.n)]
     low = min(x[0] for x in scored if not x[3])
     assert solve(c, "dp2").peak_bytes == low
-    value, ck, st_ = streams.lowest_peak(c, allow_stored=True)
+    value, ck, st_ = side_solvers.lowest_peak(c, allow_stored=True)
     assert value + c.static == min(x[0] for x in scored) == simulate(c, ck, st_).peak_bytes
     for point in pareto_front(c, None, allow_stored=True):
         assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
@@ -243,8 +243,8 @@ def test_skip_heavy_model_solves_within_the_tracers_trial():
 
     c = _diffusers_unet_costs()
     t0 = time.perf_counter()
-    assert streams.solves_within(c, SIDE_AUTO_MAX_WORK)
-    assert not streams.solves_within(c, 1_000_000)  # (the limit still means something)
+    assert side_solvers.solves_within(c, SIDE_AUTO_MAX_WORK)
+    assert not side_solvers.solves_within(c, 1_000_000)  # (the limit still means something)
     plan = solve(c, "dp2")
     assert plan.peak_bytes == 210_295_600 == simulate(c, plan.checkpoints).peak_bytes
     assert time.perf_counter() - t0 < 60
@@ -288,7 +288,7 @@ def test_a_recomputed_copy_let_go_with_the_frame_is_one_release():
     assert sim.peak_bytes == reference_peak(c, (1, 3))
     for p, s in plans(n):
         assert simulate(c, p, s).peak_bytes == reference_peak(c, p, s), (p, s)
-    value, ck, st = streams.lowest_peak(c, allow_stored=True)
+    value, ck, st = side_solvers.lowest_peak(c, allow_stored=True)
     assert value + c.static == min(simulate(c, p, s).peak_bytes for p, s in plans(n))
     _assert_masks_as_one_by_one(c)  # (the mask programs carry the copy in the frame's term)
     alone = ChainCosts.from_dict({**c.to_dict(), "side": [c.side[1].to_dict()]})  # (the copy the frame's only bytes)

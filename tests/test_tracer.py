@@ -295,7 +295,7 @@ def test_default_crosses_fewer_tensors_when_the_side_program_would_be_slow(monke
     program solves within its work limit (a trial run), and says why it narrowed."""
     import ckptopt.tracer.chain as chain
     from ckptopt import zoo
-    from ckptopt.solvers.streams import solves_within
+    from ckptopt.solvers.side_tensors import solves_within
 
     model, x = zoo.get("unet", batch_size=1, input_size=32, base=4)
     several = trace(model, x)

@@ -2,7 +2,7 @@
 
 :class:`SideTensor` describes one (its bytes, producer, consumers and savers) as a cost
 model holds it; :class:`SideArrays` is the same as arrays for the compiled kernels
-(:mod:`ckptopt.simulator.streams`). No torch import.
+(:mod:`ckptopt.simulator.side_tensors`). No torch import.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ __all__ = ["NEG", "BIG", "first_saving", "held_checkpoint", "recompute_span", "s
            "segment_terms", "simulate_plan", "plan_recompute", "warmup"]
 
 #: The files whose kernels numba caches on disk (``cache=True``); they call each other.
-COMPILED_SOURCES = ("simulator/kernels.py", "simulator/streams.py", "solvers/streams.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
+COMPILED_SOURCES = ("simulator/kernels.py", "simulator/side_tensors.py", "solvers/side_tensors.py", "solvers/rows.py", "solvers/exact.py", "solvers/pareto.py",
                     "solvers/linear.py", "solvers/baselines.py")
 
 
@@ -169,7 +169,7 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
 def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, badd, add):
     """:func:`segment_peak` with, when ``add``, ``fadd[i]``, ``radd[i]`` and ``badd[i]`` added to the
     forward, recomputation and backward terms of layer i (the side tensors live then,
-    :mod:`ckptopt.simulator.streams`)."""
+    :mod:`ckptopt.simulator.side_tensors`)."""
     Pl = K.P[l]
     best = NEG
     phase = -1
@@ -241,7 +241,7 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
     its backward term (``w = r - l + 1``; ``NEG`` where a layer has no such term). Their maximum is
     ``segment_peak_add``'s peak (``tests/test_side_tensors.py`` checks it on random models: a rule
     changed there must be changed here). The side-tensor programs take each term apart by side
-    tensor (:mod:`ckptopt.solvers.streams`). O(r - l)."""
+    tensor (:mod:`ckptopt.solvers.side_tensors`). O(r - l)."""
     w = r - l + 1
     for t in range(3 * w):
         out[t] = NEG

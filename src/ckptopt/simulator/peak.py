@@ -18,7 +18,7 @@ import numpy as np
 from ..costs import ChainCosts
 from ..errors import InvalidPlan
 from ..plan import normalize_plan, normalize_stored, segment_bounds, stored_flags
-from . import kernels, streams
+from . import kernels, side_tensors
 
 __all__ = ["simulate", "SimResult", "recomputed_layers", "plan_recompute"]
 
@@ -124,8 +124,8 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     full = not costs.is_additive
     K = costs.kernel_arrays
     if costs.has_side:
-        peak, phase, layer, seg = streams.simulate_plan_side(starts, keep, costs.n, K, costs.side_arrays,
-                                                             *streams.side_scratch(costs.n, len(costs.side)))
+        peak, phase, layer, seg = side_tensors.simulate_plan_side(starts, keep, costs.n, K, costs.side_arrays,
+                                                             *side_tensors.side_scratch(costs.n, len(costs.side)))
     else:
         peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = costs.compute_prefix

@@ -17,7 +17,7 @@ from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, segme
 from .limits import BRUTE_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
 from .pareto import FrontTooLarge, least_recompute
 from .rows import plan_from_choice, segment_row
-from . import streams
+from . import side_tensors
 
 __all__ = ["brute", "dp", "dp2"]
 
@@ -46,7 +46,7 @@ def brute(costs: ChainCosts) -> Solution:
             f"(this model has n = {costs.n}); use the exact solver 'dp2' (O(n^2)) or 'dp' instead"
         )
     if costs.has_side:
-        value, plan = streams.brute(costs)
+        value, plan = side_tensors.brute(costs)
         return Solution(plan, value + costs.static)
     value, _, plan = brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix)
     return Solution(tuple(int(x) for x in plan), int(value) + costs.static)
@@ -94,7 +94,7 @@ def dp(costs: ChainCosts) -> Solution:
     Running time O(n^3), memory O(n). Exact for the full model.
     """
     if costs.has_side:  # the program over (layer, held side tensors) states, O(n^3 2^k)
-        value, plan, _ = streams.lowest_peak(costs)
+        value, plan, _ = side_tensors.lowest_peak(costs)
         return _fewest_recomputed(costs, value, plan)
     value, plan = dp_cubic(costs.n, not costs.is_additive, costs.kernel_arrays)
     return _fewest_recomputed(costs, value, plan)
@@ -117,7 +117,7 @@ def dp2(costs: ChainCosts) -> Solution:
     optimum, and bounded as in :func:`dp`. Exact for the full model.
     """
     if costs.has_side:  # side tensors: the state program of dp (O(n^3 2^k))
-        value, plan, _ = streams.lowest_peak(costs)
+        value, plan, _ = side_tensors.lowest_peak(costs)
         return _fewest_recomputed(costs, value, plan)
     value, plan = dp_quadratic(costs.n, not costs.is_additive, costs.kernel_arrays)
     return _fewest_recomputed(costs, value, plan)

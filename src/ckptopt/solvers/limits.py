@@ -14,7 +14,7 @@ BRUTE_MAX_N = 20
 
 #: ``trace``'s default tries the exact side-tensor program on the costs of each crossing (8, 4, 2,
 #: 1 tensors per cut) and takes the first it solves within this much work (layer passes,
-#: :func:`ckptopt.solvers.streams.dp_side`; about 10 million a second here): HrmText (a recurrent
+#: :func:`ckptopt.solvers.side_tensors.dp_side`; about 10 million a second here): HrmText (a recurrent
 #: LM, 407 layers at 2) needs 0.2 million, at 4 (1,895 layers) 86 million, 8 s (both counted mask
 #: by mask, before segments were scored for every mask at once); the diffusers UNet at 8 (346
 #: layers) 3.6 million, 0.3 s (20-40 million mask by mask: it was narrowed to 4, and its optimal

@@ -64,7 +64,7 @@ def pareto_front(
         Internal, with side tensors only (ignored otherwise): > 0 gives an
         approximate front of bounded size, each state of the program keeping
         one point per ``grain`` bytes of peak (the one that recomputes least;
-        :func:`ckptopt.solvers.streams.pareto_side`). Its plans and figures are
+        :func:`ckptopt.solvers.side_tensors.pareto_side`). Its plans and figures are
         real; a plan with less recomputation may be missing.
 
     Returns
@@ -83,8 +83,8 @@ def pareto_front(
     cap = BIG if max_peak is None else int(max_peak) - costs.static
     if cap < 0:
         return []
-    if costs.has_side:  # over (layer, flag, held side tensors) states (ckptopt.solvers.streams)
-        from .streams import front
+    if costs.has_side:  # over (layer, flag, held side tensors) states (ckptopt.solvers.side_tensors)
+        from .side_tensors import front
 
         peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work, grain)
     else:

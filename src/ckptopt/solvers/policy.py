@@ -65,7 +65,7 @@ def _budget_side(costs: ChainCosts, limit: int) -> Solution:
     ``1/BUDGET_SIDE_BUCKETS`` of the budget: its plan fits, it may recompute more than the least),
     with a warning; past that too, the lowest-peak plan. The lowest peak (exact, the side program
     with stored segments) decides first whether any plan fits."""
-    from .streams import lowest_peak
+    from .side_tensors import lowest_peak
 
     value, checkpoints, stored = lowest_peak(costs, allow_stored=True)
     lowest = value + costs.static

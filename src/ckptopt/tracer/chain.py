@@ -34,10 +34,10 @@ from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_in
 from .capture import Captured, check_capture_mode, module_path
 from .capture import capture as capture_graph
 from ..solvers.limits import SIDE_AUTO_MAX_WORK
-from ..solvers.streams import solves_within
+from ..solvers.side_tensors import solves_within
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
-from .streams import layer_streams, merge_aliased, merge_outputless
+from .side_tensors import find_crossings, merge_aliased, merge_outputless
 from .layer_run import reachable
 from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
@@ -268,13 +268,13 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     def _build_costs(groups, hoisted):
         """(layers, costs) of one grouping: the layers measured, the side tensors found."""
         readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
-        streams = layer_streams(groups, static, values, out_node)
+        crossings = find_crossings(groups, static, values, out_node)
 
         model_output = out_node.args[0]
         single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
 
         layers, side, grad_store, grad_root, param_owner = measure_layers(
-            fake_gm, fake_mode, groups, streams, readable, values, placeholders, captured, loss_fn, model_output,
+            fake_gm, fake_mode, groups, crossings, readable, values, placeholders, captured, loss_fn, model_output,
             single_output)
         # gradient bytes of the parameters, charged to the last layer that uses them (tied weights once);
         # a frozen parameter (a LoRA base weight) gets none

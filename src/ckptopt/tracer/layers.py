@@ -25,7 +25,7 @@ from ..torch_utils import storage_nbytes, tensor_leaves
 from .capture import module_path
 from .cuts import WithLoss, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
-from .streams import Streams
+from .side_tensors import Crossings
 
 __all__ = ["Layer", "measure_layers", "hoisted_side_tensors"]
 
@@ -82,7 +82,7 @@ class Layer:
         return self.ops[0] if len(self.ops) == 1 else f"{self.ops[0]}..{self.ops[-1]} ({len(self.ops)} ops)"
 
 
-def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx.Node]], streams: Streams,
+def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx.Node]], crossings: Crossings,
                    readable: set[fx.Node], values: dict, placeholders: list[fx.Node], captured: Any,
                    loss_fn: Callable, model_output: Any, single_output: bool):
     """``(layers, side, grad_store, grad_root, param_owner)``: the measured layers (the loss appended
@@ -94,10 +94,10 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     built = []
     for j, members in enumerate(groups):
         last = j == len(groups) - 1
-        io = streams.io[j]
+        io = crossings.io[j]
         x_node, statics = _layer_inputs(members, io.main_in, readable, values, placeholders, first=j == 0)
-        side_in = [streams.nodes[t] for t in io.side_in]
-        side_out = [streams.nodes[t] for t in io.side_out]
+        side_in = [crossings.nodes[t] for t in io.side_in]
+        side_out = [crossings.nodes[t] for t in io.side_out]
         if last:
             output = model_output
             # what the model returns as it came in (HF returns the attention mask): read like a static
@@ -116,16 +116,16 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         for p in module.parameters():
             param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
         built.append(_Built(members, x_node, side_in, side_out, statics, output, module))
-    found = _Found({t: set() for t in range(len(streams.nodes))}, {}, {},
-                   {t: set() for t in range(len(streams.nodes))})
+    found = _Found({t: set() for t in range(len(crossings.nodes))}, {}, {},
+                   {t: set() for t in range(len(crossings.nodes))})
     layers: list[Layer] = []
     with fake_mode, torch.enable_grad():
         for j, b in enumerate(built):
-            m = _measure(j, b, streams, layers[-1].costs if layers else None, values, param_owner, len(built),
+            m = _measure(j, b, crossings, layers[-1].costs if layers else None, values, param_owner, len(built),
                          found=found)
-            found.note(j, b, streams.io[j], m)
+            found.note(j, b, crossings.io[j], m)
             name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
-            io = streams.io[j]
+            io = crossings.io[j]
             out_name = (b.output.name if isinstance(b.output, fx.Node) else
                         io.main_out.name if io.main_out is not None and j < len(built) - 1 else "<output>")
             x = [values[b.x_node]] if b.x_node is not None else []
@@ -142,7 +142,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
                               static_input=bool(layers and layers[-1].costs.out_static))
             layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
                                 forward_flops(loss_layer, [y])))
-        grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
+        grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
         # second pass: a layer whose outputs' gradients are one storage (an addition or a
         # concatenation after it hands each a view of the same gradient) is measured again with
         # that storage shared, so that its figures count it once
@@ -153,42 +153,42 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         def how(j: int) -> dict:
             """The keyword arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and
             held, from the side tensors as they stand."""
-            shared = _shared_output_grads(j, streams.io[j], side, grad_store, grad_root)
+            shared = _shared_output_grads(j, crossings.io[j], side, grad_store, grad_root)
             # a side input is pending when a later consumer's backward adds to its gradient, not when
             # one only reads it (a dead branch, a size): then this layer's contribution is the first,
             # handed out as its backward makes it (a concatenation's slice), not summed out of place
-            pending = [any(u > j for u in found.grad_by[t]) for t in streams.io[j].side_in]
+            pending = [any(u > j for u in found.grad_by[t]) for t in crossings.io[j].side_in]
             # a side output no later layer hands a gradient (read only by dead ops) gets none
-            side_out_grad = tuple(bool(side[t].grad_bytes) for t in streams.io[j].side_out)
-            return dict(shared=shared, held=_held_pending(j, streams.io[j], side),
+            side_out_grad = tuple(bool(side[t].grad_bytes) for t in crossings.io[j].side_out)
+            return dict(shared=shared, held=_held_pending(j, crossings.io[j], side),
                         layout=_out_grad_layout(j, layers, grad_store), pending=pending,
                         out_grad=_chain_output_gets_a_gradient(j, built, layers, values), side_out_grad=side_out_grad,
                         hold_out=_output_grad_outlives(j, side, grad_root),
-                        side_layout=_lone_side_grad_layout(j, streams, layers, side, shared))
+                        side_layout=_lone_side_grad_layout(j, crossings, layers, side, shared))
 
         def measure_again(j: int, args: dict) -> None:
-            m = _measure(j, built[j], streams, layers[j - 1].costs if j else None, values, param_owner, len(built),
+            m = _measure(j, built[j], crossings, layers[j - 1].costs if j else None, values, param_owner, len(built),
                          found=found, **args)
-            found.note(j, built[j], streams.io[j], m)  # (the release splits of the side tensors it saves, as b)
+            found.note(j, built[j], crossings.io[j], m)  # (the release splits of the side tensors it saves, as b)
             layers[j] = dataclasses.replace(layers[j], costs=m)
             held_out[j] = args["hold_out"]
 
         for j in reversed(range(len(built))):
             args = how(j)
-            read_later = [streams.consumers[t][-1] > j for t in streams.io[j].side_in]
+            read_later = [crossings.consumers[t][-1] > j for t in crossings.io[j].side_in]
             if (args["shared"] or any(args["held"]) or args["layout"] or args["pending"] != read_later
                     or not args["out_grad"] or not all(args["side_out_grad"]) or args["hold_out"]):
                 measure_again(j, args)
                 again = True
         if again:
-            grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
+            grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
         # ... and once more where the side tensors that pass found make a layer's output gradient outlive
         # its backward (or no longer): measured with it let go, its release splits did not count it, and
         # the gh the model adds for it came on top (a random model 3,072 B over in a layer's term)
         for j in reversed(range(len(built))):
             if _output_grad_outlives(j, side, grad_root) != held_out.get(j, False):
                 measure_again(j, how(j))
-                grad_store, grad_root, side = _storages_and_sides(layers, streams, values, found)
+                grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
     return layers, side, grad_store, grad_root, param_owner
 
 
@@ -210,7 +210,7 @@ class _Built:
     module: Any
 
 
-def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | None, values: dict,
+def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
              out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
@@ -218,8 +218,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`); ``found``: what the layers
     measured so far showed, which ranks each side input by how likely a plan holds it elsewhere (the
     order its dying gains are given in)."""
-    io = streams.io[j]
-    rank = [found._may_be_held(streams, t, j) for t in io.side_in] if found is not None else []
+    io = crossings.io[j]
+    rank = [found._may_be_held(crossings, t, j) for t in io.side_in] if found is not None else []
     x = values[b.x_node] if b.x_node is not None else None
     # a tied or reused weight whose gradient a later layer already created
     existing = [p for p in b.module.parameters() if p.requires_grad and param_owner[id(p)] > j]
@@ -237,8 +237,8 @@ def _measure(j: int, b: _Built, streams: Streams, previous: LayerMeasurement | N
             # a side input whose gradient a later layer already made: pending, summed out of place
             kw.update(side_inputs=[values[n] for n in b.side_in],
                       side_pending=(pending if pending is not None else
-                                    [streams.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
-                      side_last=[streams.consumers[t][-1] == j for t in io.side_in],
+                                    [crossings.consumers[t][-1] > j for t in io.side_in]), side_pending_held=held,
+                      side_last=[crossings.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank)
         return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
@@ -323,11 +323,11 @@ class _Found:
             elif is_out:
                 self.view[t] = ("out", j)
 
-    def side_tensors(self, streams: Streams, values: dict, grad_store: list[int],
+    def side_tensors(self, crossings: Crossings, values: dict, grad_store: list[int],
                      grad_root: list[int]) -> list[SideTensor]:
-        self._chain_splits(streams, values)
+        self._chain_splits(crossings, values)
         side = []
-        for t, node in enumerate(streams.nodes):
+        for t, node in enumerate(crossings.nodes):
             v = values[node]
             size = storage_nbytes(v)
             own = v.numel() * v.element_size()  # its gradient's size (a view's: less than its storage)
@@ -360,10 +360,10 @@ class _Found:
                              if pre and all(r is not None for r in free) else ((), ()))
             if (pre_f, post_f) == (pre, post):
                 pre_f, post_f = (), ()
-            side.append(SideTensor(size, streams.producer[t], streams.consumers[t], saved_by=savers,
+            side.append(SideTensor(size, crossings.producer[t], crossings.consumers[t], saved_by=savers,
                                    grad=max(grad, own) if grad else 0, name=node.name, grad_view=view,
                                    saved_pre=pre, saved_post=post,
-                                   grad_by=gby if gby != tuple(streams.consumers[t]) else (),
+                                   grad_by=gby if gby != tuple(crossings.consumers[t]) else (),
                                    last_gain=gains[0], last_gain_full=gains[1], saved_pre_rec=pre_r, saved_post_rec=post_r, last_gain_ckpt=gains[2],
                                    last_gain_free=free_gains[0], last_gain_full_free=free_gains[1],
                                    last_gain_ckpt_free=free_gains[2],
@@ -371,7 +371,7 @@ class _Found:
         return side
 
 
-    def _chain_splits(self, streams: Streams, values: dict) -> None:
+    def _chain_splits(self, crossings: Crossings, values: dict) -> None:
         """Side tensors a layer lets go at one moment: each split was measured with the others held
         throughout, and the simulator adds them one by one (``max(pre + x, post)`` each), where the
         peak before is theirs together (a product of two side tensors was under by one of them). The
@@ -388,15 +388,15 @@ class _Found:
                 before = 0
                 # the ones an earlier segment may hold (a reader before j, or the producer saves it) last:
                 # held, one is in the bytes already, and those after it in the chain would count it again
-                for t in sorted(members, key=lambda t, j=j: self._may_be_held(streams, t, j)):
+                for t in sorted(members, key=lambda t, j=j: self._may_be_held(crossings, t, j)):
                     release[(t, j)] = (pre + before, post)
-                    before += storage_nbytes(values[streams.nodes[t]])
+                    before += storage_nbytes(values[crossings.nodes[t]])
         self.together, self.together_rec, self.together_free = [], [], []
 
-    def _may_be_held(self, streams: Streams, t: int, j: int) -> tuple:
+    def _may_be_held(self, crossings: Crossings, t: int, j: int) -> tuple:
         """How likely side tensor ``t`` is held by a segment before layer ``j``'s (its chain order)."""
-        early = sum(1 for u in streams.consumers[t] if u < j)
-        return early + (streams.producer[t] in self.saved[t]), -streams.producer[t]
+        early = sum(1 for u in crossings.consumers[t] if u < j)
+        return early + (crossings.producer[t] in self.saved[t]), -crossings.producer[t]
 
 
 def _merge_early(groups: dict[tuple, list], n: int) -> dict[tuple, list]:
@@ -486,7 +486,7 @@ def hoisted_side_tensors(hoisted: list[fx.Node], layers: list[Layer], values: di
     return out, still
 
 
-def _storages_and_sides(layers: list[Layer], streams: Streams, values: dict,
+def _storages_and_sides(layers: list[Layer], crossings: Crossings, values: dict,
                         found: "_Found") -> tuple[list[int], list[int], list[SideTensor]]:
     """``(grad_store, grad_root, side)``: :func:`_grad_storages` and the side tensors, with views of
     views followed to the storage they share. A layer whose only output is a side tensor (no chain
@@ -499,9 +499,9 @@ def _storages_and_sides(layers: list[Layer], streams: Streams, values: dict,
     own: dict[int, int] = {}
     for _ in range(len(layers) + 1):
         grad_store, grad_root = _grad_storages(layers, via, own)
-        side = found.side_tensors(streams, values, grad_store, grad_root)
+        side = found.side_tensors(crossings, values, grad_store, grad_root)
         nxt, nxt_own = {}, {}
-        for j, io in enumerate(streams.io):
+        for j, io in enumerate(crossings.io):
             if j >= len(layers):
                 continue
             # one side output and no chain output, or a chain output no gradient reaches beside one side
@@ -589,14 +589,14 @@ def _shared_output_grads(j: int, io: Any, side: list[SideTensor], grad_store: li
     return tuple(out)
 
 
-def _lone_side_grad_layout(j: int, streams: Streams, layers: list[Layer], side: list[SideTensor],
+def _lone_side_grad_layout(j: int, crossings: Crossings, layers: list[Layer], side: list[SideTensor],
                            shared: tuple) -> tuple | None:
     """``(nbytes, stride, offset)`` of the gradient of layer ``j``'s one side output measured as a slice of
     a larger storage (``shared``), when the layer that hands it out (its ``grad_view``) records a
     layout: a concatenation along channels hands out a strided slice, which a normalization's backward
     copies before reading (a random model was 968 B under, its GroupNorm measured with a contiguous
     slice). None otherwise."""
-    io = streams.io[j]
+    io = crossings.io[j]
     k0 = 1 if io.main_out is not None else 0
     for members, nbytes in shared:
         outs = [k for k in members if not isinstance(k, tuple)]
@@ -606,10 +606,10 @@ def _lone_side_grad_layout(j: int, streams: Streams, layers: list[Layer], side: 
         # the layer whose storage it views, or the last that adds to it, which may pass that view on (an
         # addition after a concatenation: a random model was 48 B under, its GroupNorm's copy not seen)
         for u in (side[t].grad_view, side[t].grad_last):
-            if u <= j or u >= len(layers) or t not in streams.io[u].side_in:
+            if u <= j or u >= len(layers) or t not in crossings.io[u].side_in:
                 continue
             lay = layers[u].costs.side_in_grad_layout
-            k = streams.io[u].side_in.index(t)
+            k = crossings.io[u].side_in.index(t)
             if k < len(lay) and lay[k] is not None:
                 return (int(nbytes), tuple(lay[k][0]), int(lay[k][1]))
     return None

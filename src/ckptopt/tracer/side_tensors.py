@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ..torch_utils import storage_identity, storage_nbytes, tensor_leaves
 
-__all__ = ["LayerIO", "Streams", "layer_streams", "merge_aliased", "merge_outputless"]
+__all__ = ["LayerIO", "Crossings", "find_crossings", "merge_aliased", "merge_outputless"]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class LayerIO:
     """One layer's tensors from and to other layers.
 
     ``main_in``/``main_out``: the chain tensor entering / leaving it (None: none crosses
-    that boundary); ``side_in``/``side_out``: indices into :attr:`Streams.nodes`.
+    that boundary); ``side_in``/``side_out``: indices into :attr:`Crossings.nodes`.
     """
 
     main_in: fx.Node | None = None
@@ -36,7 +36,7 @@ class LayerIO:
 
 
 @dataclass
-class Streams:
+class Crossings:
     """The layers' inputs and outputs, and the side tensors (node, producer, consumers)."""
 
     io: list[LayerIO]
@@ -64,8 +64,8 @@ def _crossing(groups: list[list[fx.Node]], static: set[fx.Node], values: dict,
     return group_of, {n: tuple(sorted(r)) for n, r in readers.items()}
 
 
-def layer_streams(groups: list[list[fx.Node]], static: set[fx.Node], values: dict,
-                  out_node: fx.Node) -> Streams:
+def find_crossings(groups: list[list[fx.Node]], static: set[fx.Node], values: dict,
+                   out_node: fx.Node) -> Crossings:
     """The chain tensor of every boundary and the side tensors, in graph order."""
     group_of, readers = _crossing(groups, static, values, out_node)
     io = [LayerIO() for _ in groups]
@@ -104,7 +104,7 @@ def layer_streams(groups: list[list[fx.Node]], static: set[fx.Node], values: dic
                 io[group_of[n]].side_out.append(j)
                 for k in readers[n]:
                     io[k].side_in.append(j)
-    return Streams(io, nodes, producer, consumers)
+    return Crossings(io, nodes, producer, consumers)
 
 
 def merge_aliased(groups: list[list[fx.Node]], static: set[fx.Node], values: dict, out_node: fx.Node,
@@ -173,7 +173,7 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
     carry: list[fx.Node] = []
     for j, members in enumerate(groups):
         # kept: a layer that one tensor enters and leaves (only it crossing either boundary), the
-        # single-tensor chain's pass-through layer, which layer_streams hands it through, when it
+        # single-tensor chain's pass-through layer, which find_crossings hands it through, when it
         # computes something a later layer reads (a static value) or no tensor at all (an export
         # graph's metadata assertions). One whose tensors nothing reads (dead ops) joins the next
         # layer: kept, its output was its input, one tensor counted twice where the layer before

@@ -222,7 +222,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     segment's frame holds, let go in the backward of its first saving layer ``fsv``. With
     ``apply_frame`` False that release (:func:`_frame_add`, not linear in ``frame``) is left out of
     ``badd``: every other addend is a sum over the side tensors, which the mask programs of
-    :mod:`ckptopt.solvers.streams` take apart tensor by tensor."""
+    :mod:`ckptopt.solvers.side_tensors` take apart tensor by tensor."""
     for i in range(l, r + 1):
         fadd[i] = 0
         radd[i] = 0

@@ -9,7 +9,7 @@ whether the previous segment is stored and keeps the chain tensor (``flag``). Wi
     V(l, flag, S) = min over r, kind of c + max(D, held + extra + V(r + 1, flag', S'))
 
 where ``c`` is the chain checkpoint the segment holds, ``D`` its peak with the side terms
-(:func:`ckptopt.simulator.streams.side_terms`), ``held`` the side bytes it starts to hold for
+(:func:`ckptopt.simulator.side_tensors.side_terms`), ``held`` the side bytes it starts to hold for
 later segments, ``S'`` the mask at ``r + 1``, ``extra`` what a stored segment keeps. Each
 ``D`` is computed from scratch in O(r - l): the program is O(n^3 2^k) in time. A segment is scored
 for every mask at once (:func:`_segment_masks`: each tensor open at ``l`` adds to the segment's
@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
-from ..simulator.streams import frame_split, joint_base, joint_order, side_terms, side_terms_frame, simulate_plan_side
+from ..simulator.side_tensors import frame_split, joint_base, joint_order, side_terms, side_terms_frame, simulate_plan_side
 from .rows import grow
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
@@ -149,7 +149,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
                 v -= ckx + (K.ckf[l] if ckx else 0)
                 x0 += ckx
             if cnt:
-                # one sequence of releases (simulator.streams._joint_add): a term per release, its peak
+                # one sequence of releases (simulator.side_tensors._joint_add): a term per release, its peak
                 # before it plus what is still held then (the frame's bytes, with its coefficients, up
                 # to its own), and the peak after the last
                 jpre, jpost, jorder = joint_order(SD, fsv, mark, jb)
@@ -733,7 +733,7 @@ def unheld_bits(SD, n: int) -> np.ndarray:
 
 
 def _context(costs):
-    from ..simulator.streams import side_scratch
+    from ..simulator.side_tensors import side_scratch
 
     SD = costs.side_arrays
     n = costs.n
@@ -780,7 +780,7 @@ def front(costs, cap: int, allow_stored: bool, max_work: int, grain: int = 0):
 
 def brute(costs) -> tuple[int, tuple[int, ...]]:
     """``(peak without static, checkpoints)`` of the best checkpoint-only plan by trying each."""
-    from ..simulator.streams import side_scratch
+    from ..simulator.side_tensors import side_scratch
 
     value, _, plan = brute_side(costs.n, costs.kernel_arrays, costs.side_arrays, costs.compute_prefix,
                                 *side_scratch(costs.n, len(costs.side)))
