@@ -178,10 +178,10 @@ def test_transformers_checkpointing_is_called_by_its_current_name():
         assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
-@pytest.mark.parametrize("old, new", [("ckptopt.dag", "ckptopt.simulator.streams"),
+@pytest.mark.parametrize("old, new", [("ckptopt.dag", "ckptopt.simulator.side_tensors"),
                                       ("ckptopt.timeline", "ckptopt.simulator.timeline"),
                                       ("ckptopt._dag_measure", "ckptopt.tracer.layers"),
-                                      ("ckptopt.experimental", "ckptopt.tracer.streams")])
+                                      ("ckptopt.experimental", "ckptopt.tracer.side_tensors")])
 def test_moved_modules_live_only_at_their_new_paths(old, new):
     """The node-level experimental path is gone: several tensors crossing a cut is the stable path."""
     assert importlib.util.find_spec(old) is None

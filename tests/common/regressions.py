@@ -791,7 +791,7 @@ CASES: tuple[Case, ...] = (
     Case(
         id="recomputed-copy-goes-with-the-frame",
         rule="A recomputed copy whose split is the checkpoint frame's is let go with the frame, one release "
-             "(simulator/streams.py::_with_frame).",
+             "(simulator/side_tensors.py::_with_frame).",
         spec=Spec(family="conv", dtype="float32", batch=6, shape=(5, 8, 8), classes=1, nodes=(
             Node("bn", (0,), inplace="relu_module"), Node("maxpool", (1,)), Node("add", (1, 0), inplace="mul_"),
             Node("conv3", (3,), width=4), Node("cat", (4, 0)), Node("conv1", (5,), width=5), Node("mul", (6, 3)),
