@@ -161,7 +161,7 @@ def test_segment_terms_are_the_terms_of_segment_peak_add(c):
     from ckptopt.simulator.side_tensors import side_scratch, side_terms
 
     K, SD = c.kernel_arrays, c.side_arrays
-    fadd, radd, badd, mark = side_scratch(c.n, len(c.side))
+    sc = side_scratch(c.n, len(c.side))
     out = np.zeros(3 * c.n + 4, dtype=np.int64)
     for l in range(c.n):
         nb = int(SD.bptr[l + 1] - SD.bptr[l])
@@ -169,10 +169,11 @@ def test_segment_terms_are_the_terms_of_segment_peak_add(c):
             for unwrapped in (False, True):
                 for prev_keeps in (False, True):
                     for S in {0, (1 << nb) - 1, 5 % (1 << nb)}:
-                        side_terms(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark)
+                        side_terms(l, r, unwrapped, prev_keeps, S, K, SD, sc)
                         live_in = int(K.ck[l]) // 2 if l > 0 else 0
-                        top = segment_peak_add(l, r, unwrapped, True, K, live_in, prev_keeps, fadd, radd, badd, True)[0]
-                        segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out)
+                        top = segment_peak_add(l, r, unwrapped, True, K, live_in, prev_keeps, sc.fadd, sc.radd,
+                                               sc.badd, True)[0]
+                        segment_terms(l, r, unwrapped, K, live_in, prev_keeps, sc.fadd, sc.radd, sc.badd, out)
                         w = r - l + 1
                         assert max(out[:3 * w]) == top != NEG, (l, r, unwrapped, prev_keeps, S)
 
@@ -186,24 +187,20 @@ def test_segments_scored_for_every_mask_at_once(c):
 
 
 def _assert_masks_as_one_by_one(c):
-    import numpy as np
-
     from ckptopt.solvers.side_tensors import _context, _segment, _segment_masks
 
-    SD, off, unheld, scratch = _context(c)
-    fadd, radd, badd, mark, ws = scratch
-    ns = ws[9].shape[0]
-    Dm, Hm, S2m = (np.zeros(ns, dtype=np.int64) for _ in range(3))
+    SD, off, unheld, sc, ms = _context(c)
     K = c.kernel_arrays
     for l in range(c.n):
         nb = int(SD.bptr[l + 1] - SD.bptr[l])
         for r in range(l, c.n):
             for kind in (0, 1, 2):
                 for flag in (0, 1):
-                    cm = _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dm, Hm, S2m)
+                    cm = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
+                    got = [(cm, ms.D[S], ms.held[S], ms.S2[S]) for S in range(1 << nb)]
                     for S in range(1 << nb):
-                        want = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
-                        assert (cm, Dm[S], Hm[S], S2m[S]) == tuple(want), (l, r, kind, flag, S)
+                        want = _segment(l, r, kind, flag, S, K, SD, sc)
+                        assert got[S] == tuple(want), (l, r, kind, flag, S)
 
 
 @settings(max_examples=100, **SETTINGS)

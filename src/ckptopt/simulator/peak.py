@@ -125,7 +125,7 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     K = costs.kernel_arrays
     if costs.has_side:
         peak, phase, layer, seg = side_tensors.simulate_plan_side(starts, keep, costs.n, K, costs.side_arrays,
-                                                             *side_tensors.side_scratch(costs.n, len(costs.side)))
+                                                             side_tensors.side_scratch(costs.n, len(costs.side)))
     else:
         peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = costs.compute_prefix

@@ -33,29 +33,36 @@ hold for later segments, and the mask at its end; :func:`simulate_plan_side` wal
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
-__all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_base", "joint_order", "simulate_plan_side",
-           "side_scratch"]
+__all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_order", "simulate_plan_side",
+           "SideScratch", "side_scratch"]
 
 
-def side_scratch(n: int, ns: int):
-    """The work arrays the side kernels share: per-layer addends (forward, recompute, backward)
-    and a per-side-tensor mark, followed by the releases :func:`side_terms_frame` prices with the
-    frame's (:func:`_joint_add`; at ``joint_base(mark)``: their count, -1 when none are; the checkpoint the
-    frame lets go with them; then ``(pre, post, bytes)`` per recomputed copy)."""
+class SideScratch(NamedTuple):
+    """The work arrays the side kernels share, filled anew for each segment they score."""
+
+    fadd: np.ndarray  #: per layer: what the side tensors add to its forward term
+    radd: np.ndarray  #: ... to its recomputation term
+    badd: np.ndarray  #: ... to its backward term
+    mark: np.ndarray  #: per side tensor: 1 while it is held past the segment (cleared after)
+    #: the releases priced with the frame's (:func:`_joint_add`): ``[0]`` their count (-1: none are
+    #: priced so), ``[1]`` the checkpoint the frame lets go with them, then ``(pre, post, bytes)`` per
+    #: recomputed copy from ``[2]``
+    joint: np.ndarray
+
+
+def side_scratch(n: int, ns: int) -> SideScratch:
+    """The work arrays for ``n`` layers and ``ns`` side tensors."""
     k = max(ns, 1)
-    return (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-            np.zeros(4 * k + 2, dtype=np.int64))
-
-
-@njit(cache=True)
-def joint_base(mark):
-    """Where the frame layer's joint releases start in ``mark`` (:func:`side_scratch`)."""
-    return (mark.shape[0] - 2) // 4
+    return SideScratch(fadd=np.zeros(n, dtype=np.int64), radd=np.zeros(n, dtype=np.int64),
+                       badd=np.zeros(n, dtype=np.int64), mark=np.zeros(k, dtype=np.int64),
+                       joint=np.zeros(3 * k + 2, dtype=np.int64))
 
 
 @njit(cache=True)
@@ -119,17 +126,17 @@ def _frame_add(SD, u, x, alone):
 
 
 @njit(cache=True)
-def joint_order(SD, u, mark, jb):
-    """Layer ``u``'s releases priced together (the recomputed copies of ``mark``'s joint entries, then the
+def joint_order(SD, u, joint):
+    """Layer ``u``'s releases priced together (the recomputed copies of ``joint``'s entries, then the
     frame, index ``count``): ``(pre, post, order)``, ``order`` the sequence they happen in. From the
     splits alone: a release after another has a peak before it at least as high, and one after it at
     most as high (ties in both are the same moment, in either order)."""
-    c = mark[jb]
+    c = joint[0]
     pre = np.empty(c + 1, dtype=np.int64)
     post = np.empty(c + 1, dtype=np.int64)
     for q in range(c):
-        pre[q] = mark[jb + 2 + 3 * q]
-        post[q] = mark[jb + 3 + 3 * q]
+        pre[q] = joint[2 + 3 * q]
+        post[q] = joint[3 + 3 * q]
     pre[c] = SD.fpre[u]
     post[c] = SD.fpost[u]
     order = np.arange(c + 1)
@@ -144,26 +151,26 @@ def joint_order(SD, u, mark, jb):
 
 
 @njit(cache=True)
-def _joint_add(SD, u, x, mark, jb):
+def _joint_add(SD, u, x, joint):
     """What the frame's ``x`` bytes and the recomputed copies let go in layer ``u``'s backward with it
-    (``mark``'s joint entries) add to its peak, as one sequence of releases: the largest of each
+    (``joint``'s entries) add to its peak, as one sequence of releases: the largest of each
     release's peak before it plus everything still held then, and the peak after the last.
     Priced one by one, each saw the others gone before its moment (a random model's recomputed copy,
     let go before the engine sums a bias gradient, and the frame, after: tests/test_fuzz.py)."""
-    c = mark[jb]
+    c = joint[0]
     top = SD.fpre[u] if SD.fpre[u] > SD.fpost[u] else SD.fpost[u]
     if c == 0:  # (the frame alone)
         v = SD.fpre[u] + x
         return (v if v > SD.fpost[u] else SD.fpost[u]) - top
-    pre, post, order = joint_order(SD, u, mark, jb)
+    pre, post, order = joint_order(SD, u, joint)
     S = x
     for q in range(c):
-        S += mark[jb + 4 + 3 * q]
+        S += joint[4 + 3 * q]
     best = NEG
     for o in order:
         if pre[o] + S > best:
             best = pre[o] + S
-        S -= x if o == c else mark[jb + 4 + 3 * o]
+        S -= x if o == c else joint[4 + 3 * o]
     last = post[order[c]]
     return (best if best > last else last) - top
 
@@ -203,26 +210,27 @@ def _reads_in(SD, j, lo, hi):
 
 
 @njit(cache=True)
-def side_terms(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark):
+def side_terms(l, r, unwrapped, prev_keeps, S, K, SD, sc):
     """What the side tensors add to segment ``[l, r]`` (``unwrapped``: stored or the last;
     ``prev_keeps``: the previous segment is stored and keeps its input).
 
     ``S``: bit k set when the k-th side tensor open at ``l`` is held by an earlier segment
-    (its bytes are then constant, outside this segment's terms). Fills ``fadd``, ``radd``,
-    ``badd`` over ``l..r``. Returns ``(held, S2)``: the bytes this segment starts to hold
+    (its bytes are then constant, outside this segment's terms). Fills the scratch's ``fadd``, ``radd``,
+    ``badd`` over ``l..r`` (:class:`SideScratch`). Returns ``(held, S2)``: the bytes this segment starts to hold
     for every later segment, and the mask at ``r + 1``. O(r - l + the side tensors' reads).
     """
-    held, S2, frame, fsv = side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark, True)
+    held, S2, frame, fsv = side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, sc, True)
     return held, S2
 
 
 @njit(cache=True)
-def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, mark, apply_frame):
+def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, sc, apply_frame):
     """:func:`side_terms`, also returning ``(held, S2, frame, fsv)``: the side bytes a checkpointed
     segment's frame holds, let go in the backward of its first saving layer ``fsv``. With
     ``apply_frame`` False that release (:func:`_frame_add`, not linear in ``frame``) is left out of
     ``badd``: every other addend is a sum over the side tensors, which the mask programs of
     :mod:`ckptopt.solvers.side_tensors` take apart tensor by tensor."""
+    fadd, radd, badd, mark, jn = sc.fadd, sc.radd, sc.badd, sc.mark, sc.joint
     for i in range(l, r + 1):
         fadd[i] = 0
         radd[i] = 0
@@ -235,10 +243,9 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
     # the frame's release and the recomputed copies let go in the same layer, priced as one sequence
     # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
     # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
-    jb = joint_base(mark)
     joint = not unwrapped and seg_saves and SD.frame_known != 0 and not (alone and fsv == l)
-    mark[jb] = 0 if joint else -1
-    mark[jb + 1] = K.ck[l] if joint and alone else 0
+    jn[0] = 0 if joint else -1
+    jn[1] = K.ck[l] if joint and alone else 0
     free = alone and unwrapped and K.sout[l - 1] != 0
     held_l = not (unwrapped and alone and K.sin[l] == 0)  # (an unwrapped segment's first layer: ff, else f)
     trigger = r
@@ -331,16 +338,16 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
                             badd[i] += sa
                         q = _saver_index(SD, j, rho)
                         if rho == fsv and joint and SD.split_known[j] == 2 and q >= 0:  # (a split of that timeline)
-                            o = jb + 2 + 3 * mark[jb]  # (priced with the frame's release)
-                            mark[o], mark[o + 1], mark[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
-                            mark[jb] += 1
+                            o = 2 + 3 * jn[0]  # (priced with the frame's release)
+                            jn[o], jn[o + 1], jn[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
+                            jn[0] += 1
                         elif rho == fsv and _with_frame(SD, j, rho, alone and fsv == l):
                             frame += sa  # (let go with the frame, at one moment)
                         else:
                             badd[rho] += _release_add(SD, j, rho, sa, True, False)
     if joint and apply_frame:  # (segment_peak_add counts the checkpoint as held, with ckf)
-        ckx = mark[jb + 1]
-        badd[fsv] += _joint_add(SD, fsv, frame + ckx, mark, jb) - ckx - (K.ckf[l] if ckx else 0)
+        ckx = jn[1]
+        badd[fsv] += _joint_add(SD, fsv, frame + ckx, jn) - ckx - (K.ckf[l] if ckx else 0)
     elif frame and apply_frame:
         badd[fsv] += _frame_add(SD, fsv, frame, alone and fsv == l)
     # the mask at r + 1, and the marks cleared
@@ -358,7 +365,7 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, fadd, radd, badd, ma
 
 
 @njit(cache=True)
-def simulate_plan_side(starts, stored, n, K, SD, fadd, radd, badd, mark):
+def simulate_plan_side(starts, stored, n, K, SD, sc):
     """:func:`ckptopt.simulator.kernels.simulate_plan` with side tensors (full form).
     Returns (peak without static, phase, layer, segment). O(n + the side tensors' reads)."""
     held = 0
@@ -381,8 +388,8 @@ def simulate_plan_side(starts, stored, n, K, SD, fadd, radd, badd, mark):
             c = held_checkpoint(l, r, st, True, K)
             live_in = K.ck[l] - c if k > 0 else 0
         held += c
-        dside, S2 = side_terms(l, r, st, prev_keeps, S, K, SD, fadd, radd, badd, mark)
-        v, ph, ly = segment_peak_add(l, r, st, True, K, live_in, prev_keeps, fadd, radd, badd, True)
+        dside, S2 = side_terms(l, r, st, prev_keeps, S, K, SD, sc)
+        v, ph, ly = segment_peak_add(l, r, st, True, K, live_in, prev_keeps, sc.fadd, sc.radd, sc.badd, True)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k

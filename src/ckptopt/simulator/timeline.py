@@ -162,7 +162,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
     mask = 0
     if costs.has_side:
         SD = costs.side_arrays
-        fadd, radd, badd, marks = side_tensors.side_scratch(costs.n, len(costs.side))
+        sc = side_tensors.side_scratch(costs.n, len(costs.side))
+        fadd, radd, badd = sc.fadd, sc.radd, sc.badd
     for k, (l, r) in enumerate(segs):
         unwrapped = k == m - 1 or l in kept
         c = 0 if prev_keeps else int(kernels.held_checkpoint(l, r, unwrapped, full, K))
@@ -172,7 +173,7 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
         own.append(c)
         side_held = 0
         if costs.has_side:
-            side_held, mask = side_tensors.side_terms(l, r, unwrapped, prev_keeps, mask, K, SD, fadd, radd, badd, marks)
+            side_held, mask = side_tensors.side_terms(l, r, unwrapped, prev_keeps, mask, K, SD, sc)
             adds.append((fadd.copy(), radd.copy(), badd.copy()))
         else:
             adds.append(None)

@@ -23,7 +23,8 @@ from numba import njit
 
 from ..costs import ChainCosts
 from ..simulator.kernels import BIG, held_checkpoint
-from .rows import grow, segment_row, with_live_in
+from .fronts import add_point, add_suffix_points, front_plans, grow_points, keep_front, points
+from .rows import segment_row, with_live_in
 
 __all__ = ["FrontPoint", "pareto_front", "least_recompute", "merge_unwrapped", "FrontTooLarge"]
 
@@ -218,20 +219,11 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
     Ds1 = np.empty(n, dtype=np.int64)
     hold = np.empty(n, dtype=np.int64)
     rec = np.empty(n, dtype=np.int64)
-    size = 1024
-    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, next point, kind
-    pr = np.empty(size, dtype=np.int64)
-    pc = np.empty(size, dtype=np.int64)
-    pn = np.empty(size, dtype=np.int64)
-    pk = np.empty(size, dtype=np.int64)
+    pool = points(1024)  # every state's front (fronts.py)
     used = 0
     first = np.zeros(2 * n + 2, dtype=np.int64)
     count = np.zeros(2 * n + 2, dtype=np.int64)
-    cp = np.empty(64, dtype=np.int64)  # candidates of one state
-    cr = np.empty(64, dtype=np.int64)
-    cc = np.empty(64, dtype=np.int64)
-    cn = np.empty(64, dtype=np.int64)
-    ck_ = np.empty(64, dtype=np.int64)
+    cand = points(64)  # the candidates of one state
     work = 0
     for l in range(n - 1, -1, -1):
         row_done = False
@@ -248,17 +240,12 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
             limit = cap - Hmin[st]
             m = 0
             for r in range(l, n):
-                if r == n - 1 and m + 1 > cp.shape[0]:
-                    cp, cr, cc, cn, ck_ = grow(cp, m + 2), grow(cr, m + 2), grow(cc, m + 2), grow(cn, m + 2), grow(ck_, m + 2)
                 if r == n - 1:
                     c = 0 if flag else hu
                     d = with_live_in(l, c, flag, Ds1[r] if flag else Ds0[r], K, True)
                     if c + d <= limit:
-                        cp[m] = c + d
-                        cr[m] = 0
-                        cc[m] = r
-                        cn[m] = -1
-                        ck_[m] = 2
+                        cand = grow_points(cand, m + 2)
+                        add_point(cand, m, c + d, 0, r, -1, 2)
                         m += 1
                     continue
                 for kind in range(2):
@@ -278,89 +265,18 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
                         nxt = 2 * (r + 1) + (1 if K.sout[r] != 0 else 0)
                     if c + d > limit:
                         continue
-                    s0 = first[nxt]
-                    kk = count[nxt]
-                    # j: the first suffix point above d - extra (peaks ascend: binary search)
-                    lo = 0
-                    hi = kk
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if extra + pp[s0 + mid] <= d:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    j = lo
                     work += 1
-                    need = m + kk - j + 2
-                    if need > cp.shape[0]:
-                        cp, cr, cc, cn, ck_ = grow(cp, need), grow(cr, need), grow(cc, need), grow(cn, need), grow(ck_, need)
-                    if j > 0:
-                        cp[m] = c + d
-                        cr[m] = rc + pr[s0 + j - 1]
-                        cc[m] = r
-                        cn[m] = s0 + j - 1
-                        ck_[m] = kind
-                        m += 1
-                    while j < kk and c + extra + pp[s0 + j] <= limit:
-                        cp[m] = c + extra + pp[s0 + j]
-                        cr[m] = rc + pr[s0 + j]
-                        cc[m] = r
-                        cn[m] = s0 + j
-                        ck_[m] = kind
-                        m += 1
-                        j += 1
+                    cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, d, extra, rc, r, kind, limit)
                     if max_work > 0 and work + m > max_work:
                         e = np.empty(0, dtype=np.int64)
                         return e, e, e, np.zeros(1, dtype=np.int64), e, np.zeros(1, dtype=np.int64), False
             if m == 0:
                 continue
             work += m
-            o1 = np.argsort(cr[:m], kind="mergesort")
-            o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
-            if used + m > pp.shape[0]:
-                pp = grow(pp, used + m)
-                pr = grow(pr, used + m)
-                pc = grow(pc, used + m)
-                pn = grow(pn, used + m)
-                pk = grow(pk, used + m)
-            best_r = BIG
-            for t in range(m):
-                i = o2[t]
-                if cr[i] < best_r:
-                    best_r = cr[i]
-                    pp[used] = cp[i]
-                    pr[used] = cr[i]
-                    pc[used] = cc[i]
-                    pn[used] = cn[i]
-                    pk[used] = ck_[i]
-                    used += 1
+            pool, used = keep_front(cand, m, pool, used)
             count[st] = used - first[st]
-    k0 = count[0]
-    peaks = pp[first[0]: first[0] + k0].copy()
-    recs = pr[first[0]: first[0] + k0].copy()
-    offsets = np.zeros(k0 + 1, dtype=np.int64)
-    soffsets = np.zeros(k0 + 1, dtype=np.int64)
-    flat = np.empty(max(1, k0 * n), dtype=np.int64)
-    sflat = np.empty(max(1, k0 * n), dtype=np.int64)
-    tot = 0
-    stot = 0
-    for t in range(k0):
-        idx = first[0] + t
-        start = 0
-        while True:
-            r = pc[idx]
-            if pk[idx] == 1:
-                sflat[stot] = start
-                stot += 1
-            if r == n - 1 or pn[idx] < 0:
-                break
-            flat[tot] = r + 1
-            tot += 1
-            start = r + 1
-            idx = pn[idx]
-        offsets[t + 1] = tot
-        soffsets[t + 1] = stot
-    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets, True
+    peaks, recs, flat, offsets, sflat, soffsets = front_plans(pool, first[0], count[0], n)
+    return peaks, recs, flat, offsets, sflat, soffsets, True
 
 
 def warmup(K, cpre) -> None:

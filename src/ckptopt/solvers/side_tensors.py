@@ -21,12 +21,14 @@ the same states, dropping points no plan within its cap can use (:func:`min_held
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
-from ..simulator.side_tensors import frame_split, joint_base, joint_order, side_terms, side_terms_frame, simulate_plan_side
-from .rows import grow
+from ..simulator.side_tensors import frame_split, joint_order, side_scratch, side_terms, side_terms_frame, simulate_plan_side
+from .fronts import PEAK, add_point, add_suffix_points, front_plans, grow_points, keep_front, points
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
 
@@ -71,7 +73,7 @@ def saved_floor(l, r, K):
 
 
 @njit(cache=True)
-def _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark):
+def _segment(l, r, kind, flag, S, K, SD, sc):
     """(c, D, held, S2) of segment [l, r] of kind 0 checkpointed, 1 stored, 2 last."""
     unwrapped = kind != 0
     if flag:
@@ -80,15 +82,15 @@ def _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark):
     else:
         c = held_checkpoint(l, r, unwrapped, True, K)
         live_in = K.ck[l] - c if l > 0 else 0
-    held, S2 = side_terms(l, r, unwrapped, flag != 0, S, K, SD, fadd, radd, badd, mark)
-    D = segment_peak_add(l, r, unwrapped, True, K, live_in, flag != 0, fadd, radd, badd, True)[0]
+    held, S2 = side_terms(l, r, unwrapped, flag != 0, S, K, SD, sc)
+    D = segment_peak_add(l, r, unwrapped, True, K, live_in, flag != 0, sc.fadd, sc.radd, sc.badd, True)[0]
     return c, D, held, S2
 
 
 @njit(cache=True)
-def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Hout, S2out):
-    """:func:`_segment` for every mask ``S`` at ``l`` at once: returns ``c`` and fills ``Dout[S]``,
-    ``Hout[S]`` (held) and ``S2out[S]`` for ``S < 2^nb``.
+def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
+    """:func:`_segment` for every mask ``S`` at ``l`` at once: returns ``c`` and fills ``ms.D[S]``,
+    ``ms.held[S]`` and ``ms.S2[S]`` for ``S < 2^nb`` (:class:`MaskScratch`).
 
     Every addend of a side tensor open at ``l`` and held by no earlier segment is its own (whether
     it is held, read or saved here does not depend on the others), so each term of the segment's
@@ -99,7 +101,10 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
     addition per mask): ``nb + 1`` passes of :func:`side_terms_frame` and O(terms x 2^nb), where the
     masks one by one take 2^nb passes. Exact (``tests/test_side_tensors.py`` checks it against
     :func:`_segment` for every mask)."""
-    terms, base3, coef, gbase, gcoef, dheld, drop, framek, lowk, sums = ws
+    terms, base3, coef, gbase, gcoef = ms.terms, ms.base3, ms.coef, ms.gbase, ms.gcoef
+    dheld, drop, framek, lowk, sums = ms.dheld, ms.drop, ms.framek, ms.lowk, ms.sums
+    Dout, Hout, S2out = ms.D, ms.held, ms.S2
+    fadd, radd, badd, jn = sc.fadd, sc.radd, sc.badd, sc.joint
     unwrapped = kind != 0
     if flag:
         c = 0
@@ -111,8 +116,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
     ns = 1 << nb
     full = ns - 1
     w = r - l + 1
-    held0, S20, frame0, fsv = side_terms_frame(l, r, unwrapped, flag != 0, full, K, SD, fadd, radd, badd, mark,
-                                               False)
+    held0, S20, frame0, fsv = side_terms_frame(l, r, unwrapped, flag != 0, full, K, SD, sc, False)
     segment_terms(l, r, unwrapped, K, live_in, flag != 0, fadd, radd, badd, terms)
     for i in range(l, r + 1):
         base3[i - l] = fadd[i]
@@ -120,8 +124,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         base3[2 * w + i - l] = badd[i]
     anyframe = False
     for k in range(nb):
-        hk, S2k, fk, _ = side_terms_frame(l, r, unwrapped, flag != 0, full ^ (1 << k), K, SD, fadd, radd, badd,
-                                          mark, False)
+        hk, S2k, fk, _ = side_terms_frame(l, r, unwrapped, flag != 0, full ^ (1 << k), K, SD, sc, False)
         for i in range(l, r + 1):
             coef[k, i - l] = fadd[i] - base3[i - l]
             coef[k, w + i - l] = radd[i] - base3[w + i - l]
@@ -131,8 +134,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
         framek[k] = fk - frame0
         if framek[k] != 0:
             anyframe = True
-    jb = joint_base(mark)  # (the frame layer's joint releases)
-    joint = mark[jb] >= 0
+    joint = jn[0] >= 0  # (the frame layer's joint releases)
     # the backward term of the layer that lets the frame go
     tf = 2 * w + fsv - l if anyframe or frame0 != 0 or joint else -1
     # the terms, merged where their coefficients agree
@@ -143,20 +145,20 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
             continue
         if t == tf:
             x0 = frame0  # (frame0: recomputed copies let go with the frame)
-            cnt = mark[jb] if joint else 0
+            cnt = jn[0] if joint else 0
             if joint:  # (the checkpoint, counted held with ckf, is one of the frame's bytes)
-                ckx = mark[jb + 1]
+                ckx = jn[1]
                 v -= ckx + (K.ckf[l] if ckx else 0)
                 x0 += ckx
             if cnt:
                 # one sequence of releases (simulator.side_tensors._joint_add): a term per release, its peak
                 # before it plus what is still held then (the frame's bytes, with its coefficients, up
                 # to its own), and the peak after the last
-                jpre, jpost, jorder = joint_order(SD, fsv, mark, jb)
+                jpre, jpost, jorder = joint_order(SD, fsv, jn)
                 top = jpre[cnt] if jpre[cnt] > jpost[cnt] else jpost[cnt]
                 rest = x0
                 for q in range(cnt):
-                    rest += mark[jb + 4 + 3 * q]
+                    rest += jn[4 + 3 * q]
                 held_f = True
                 for o in jorder:
                     gbase[G] = v + jpre[o] - top + rest
@@ -167,7 +169,7 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
                         rest -= x0
                         held_f = False
                     else:
-                        rest -= mark[jb + 4 + 3 * o]
+                        rest -= jn[4 + 3 * o]
                 gbase[G] = v + jpost[jorder[cnt]] - top
                 for k in range(nb):
                     gcoef[G, k] = coef[k, t]
@@ -232,22 +234,43 @@ def _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dout, Ho
     return c
 
 
-def _workspace(n: int, max_open: int, n_side: int):
-    """The scratch arrays of :func:`_segment_masks` for ``n`` layers, at most ``max_open`` tensors
-    open at a boundary and ``n_side`` side tensors."""
+class MaskScratch(NamedTuple):
+    """The work arrays of :func:`_segment_masks` (``nb`` the most tensors open at a boundary, ``t`` the
+    segment's terms), and its outputs per mask."""
+
+    terms: np.ndarray  #: (t,) the segment's terms with every open tensor held by an earlier segment
+    base3: np.ndarray  #: (t,) the side addends (forward, recompute, backward per layer) so
+    coef: np.ndarray  #: (nb, t) what not holding open tensor k before adds to each term
+    gbase: np.ndarray  #: (t,) the terms merged where their coefficients agree ...
+    gcoef: np.ndarray  #: (t, nb) ... and their coefficients
+    dheld: np.ndarray  #: (nb,) per open tensor: what not holding it before changes in the held bytes
+    drop: np.ndarray  #: (nb,) ... the bits it clears in the mask at r + 1
+    framek: np.ndarray  #: (nb,) ... the change in the bytes the checkpoint's frame holds
+    lowk: np.ndarray  #: (2^nb,) per mask: its lowest set bit
+    sums: np.ndarray  #: (2^nb,) per mask: a merged term's value (a running sum over the masks)
+    D: np.ndarray  #: (2^nb,) out: per mask, the segment's peak
+    held: np.ndarray  #: (2^nb,) out: per mask, the side bytes it starts to hold for later segments
+    S2: np.ndarray  #: (2^nb,) out: per mask, the mask at r + 1
+
+
+def mask_scratch(n: int, max_open: int, n_side: int) -> MaskScratch:
+    """:class:`MaskScratch` for ``n`` layers, at most ``max_open`` tensors open at a boundary and
+    ``n_side`` side tensors."""
     nb = max(max_open, 1)
     ns = 1 << nb
     lowk = np.zeros(ns, dtype=np.int64)
     for S in range(1, ns):
         lowk[S] = (S & -S).bit_length() - 1
     t = 3 * n + 4 + n_side  # (the frame layer's term: a row per release)
-    return (np.zeros(t, dtype=np.int64), np.zeros(t, dtype=np.int64), np.zeros((nb, t), dtype=np.int64),
-            np.zeros(t, dtype=np.int64), np.zeros((t, nb), dtype=np.int64), np.zeros(nb, dtype=np.int64),
-            np.zeros(nb, dtype=np.int64), np.zeros(nb, dtype=np.int64), lowk, np.zeros(ns, dtype=np.int64))
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.int64)
+    return MaskScratch(terms=z(t), base3=z(t), coef=z(nb, t), gbase=z(t), gcoef=z(t, nb), dheld=z(nb), drop=z(nb),
+                       framek=z(nb), lowk=lowk, sums=z(ns), D=z(ns), held=z(ns), S2=z(ns))
 
 
 @njit(cache=True)
-def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mark, ws):
+def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
     """Lowest peak (without static) and its plan: ``(value, starts_after_0, stored_starts)``.
 
     ``unheld[l]``: the state bits at ``l`` no plan sets (:func:`unheld_bits`); those states are
@@ -268,14 +291,12 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mar
     V = np.full(total, BIG, dtype=np.int64)
     choice_r = np.full(total, -1, dtype=np.int64)
     choice_k = np.zeros(total, dtype=np.int64)
-    nsmax = ws[9].shape[0]
+    nsmax = ms.sums.shape[0]
     best = np.empty(nsmax, dtype=np.int64)
     br = np.empty(nsmax, dtype=np.int64)
     bk = np.empty(nsmax, dtype=np.int64)
     active = np.zeros(nsmax, dtype=np.bool_)
-    Dm = np.empty(nsmax, dtype=np.int64)
-    Hm = np.empty(nsmax, dtype=np.int64)
-    S2m = np.empty(nsmax, dtype=np.int64)
+    Dm, Hm, S2m = ms.D, ms.held, ms.S2
     for l in range(n - 1, -1, -1):
         nb = SD.bptr[l + 1] - SD.bptr[l]
         ns = 1 << nb
@@ -316,7 +337,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mar
                         continue
                     c = 0
                     if masks:
-                        c = _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dm, Hm, S2m)
+                        c = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
                     f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
                     for S in range(ns):
                         if not active[S]:
@@ -326,7 +347,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mar
                             held = Hm[S]
                             S2 = S2m[S]
                         else:
-                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
+                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
                         if kind == 2:
                             val = c + D
                         else:
@@ -364,7 +385,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mar
         if kind == 1:
             stored[nst] = l
             nst += 1
-        c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
+        c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
         if r < n - 1:
             starts[ns] = r + 1
             ns += 1
@@ -375,7 +396,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, fadd, radd, badd, mar
 
 
 @njit(cache=True)
-def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd, badd, mark, ws):
+def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
     """``(H, work)``: ``H[st]`` the least bytes (checkpoints, side tensors, stored segments' saves)
     that any plan whose segments before state ``st``'s layer all fit within ``cap`` holds there
     (``BIG``: no such plan reaches it), as :func:`ckptopt.solvers.pareto.min_held_prefix` without
@@ -387,10 +408,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd
     H = np.full(total, BIG, dtype=np.int64)
     H[off[0]] = 0
     work = 0
-    nsmax = ws[9].shape[0]
-    Dm = np.empty(nsmax, dtype=np.int64)
-    Hm = np.empty(nsmax, dtype=np.int64)
-    S2m = np.empty(nsmax, dtype=np.int64)
+    Dm, Hm, S2m = ms.D, ms.held, ms.S2
     for l in range(n - 1):  # (a segment from n - 1 is the last: no state after it)
         nb = SD.bptr[l + 1] - SD.bptr[l]
         ns = 1 << nb
@@ -426,7 +444,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd
                         continue
                     c = 0
                     if masks:
-                        c = _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dm, Hm, S2m)
+                        c = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
                     f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
                     kept = K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0
                     for S in range(ns):
@@ -438,7 +456,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd
                             held = Hm[S]
                             S2 = S2m[S]
                         else:
-                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
+                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
                         if h + c + D > cap:
                             continue
                         nxt = off[r + 1] + f2 * (1 << nb2) + S2
@@ -449,7 +467,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd
 
 
 @njit(cache=True)
-def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain, fadd, radd, badd, mark, ws):
+def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain, sc, ms):
     """Every plan Pareto-optimal in (peak, recomputation) with relative peak <= cap, over the states
     of :func:`dp_side`. Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
     stored_offsets, complete)`` as :func:`ckptopt.solvers.pareto.pareto_plans` does.
@@ -464,28 +482,16 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
     recomputations stay those of real plans (a plan returned fits the cap); what may be lost is a
     plan with less recomputation."""
     total = off[n + 1]
-    size = 1024
-    pp = np.empty(size, dtype=np.int64)  # pool: peak, recompute, end r, next point, kind
-    pr = np.empty(size, dtype=np.int64)
-    pc = np.empty(size, dtype=np.int64)
-    pn = np.empty(size, dtype=np.int64)
-    pk = np.empty(size, dtype=np.int64)
+    pool = points(1024)  # every state's front (fronts.py)
     used = 0
     first = np.zeros(total, dtype=np.int64)
     count = np.zeros(total, dtype=np.int64)
-    cp = np.empty(64, dtype=np.int64)
-    cr = np.empty(64, dtype=np.int64)
-    cc = np.empty(64, dtype=np.int64)
-    cn = np.empty(64, dtype=np.int64)
-    ck_ = np.empty(64, dtype=np.int64)
+    cand = points(64)  # the candidates of one state
     e0 = np.empty(0, dtype=np.int64)
-    Hmin, work = min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, fadd, radd, badd, mark, ws)
+    Hmin, work = min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms)
     if work < 0:
         return e0, e0, e0, np.zeros(1, dtype=np.int64), e0, np.zeros(1, dtype=np.int64), False
-    nsmax = ws[9].shape[0]
-    Dm = np.empty(nsmax, dtype=np.int64)
-    Hm = np.empty(nsmax, dtype=np.int64)
-    S2m = np.empty(nsmax, dtype=np.int64)
+    Dm, Hm, S2m = ms.D, ms.held, ms.S2
     floors = np.empty(n, dtype=np.int64)
     for l in range(n - 1, -1, -1):
         nb = SD.bptr[l + 1] - SD.bptr[l]
@@ -535,7 +541,7 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                             if (kind == 2) != (r == n - 1) or (kind == 1 and not allow_stored):
                                 continue
                             q = 3 * (r - l) + kind
-                            cb[q] = _segment_masks(l, r, kind, flag, K, SD, fadd, radd, badd, mark, ws, Dm, Hm, S2m)
+                            cb[q] = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
                             for t in range(block):
                                 if S + t < ns:
                                     Db[q, t] = Dm[S + t]
@@ -560,60 +566,23 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                             held = Hb[q, S % block]
                             S2 = Sb[q, S % block]
                         else:
-                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, fadd, radd, badd, mark)
+                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
                         work += r - l + 1
                         if c + D > limit:
                             continue
-                        need = m + 2
                         if kind == 2:
-                            if need > cp.shape[0]:
-                                cp, cr, cc, cn, ck_ = (grow(cp, need), grow(cr, need), grow(cc, need),
-                                                       grow(cn, need), grow(ck_, need))
-                            cp[m] = c + D
-                            cr[m] = 0
-                            cc[m] = r
-                            cn[m] = -1
-                            ck_[m] = 2
+                            cand = grow_points(cand, m + 2)
+                            add_point(cand, m, c + D, 0, r, -1, 2)
                             m += 1
                             continue
-                        nb2 = SD.bptr[r + 2] - SD.bptr[r + 1]
-                        f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
-                        nxt = off[r + 1] + f2 * (1 << nb2) + S2
+                        nxt = _next_state(off, SD, K, r, kind, S2)
                         extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
                         rc = 0
                         if kind == 0:
                             e = recompute_span(l, r, K)[1]
                             rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
-                        s0 = first[nxt]
-                        kk = count[nxt]
-                        lo = 0
-                        hi = kk
-                        while lo < hi:  # the first suffix point above D - extra
-                            mid = (lo + hi) // 2
-                            if extra + pp[s0 + mid] <= D:
-                                lo = mid + 1
-                            else:
-                                hi = mid
-                        j = lo
-                        need = m + kk - j + 2
-                        if need > cp.shape[0]:
-                            cp, cr, cc, cn, ck_ = (grow(cp, need), grow(cr, need), grow(cc, need), grow(cn, need),
-                                                   grow(ck_, need))
-                        if j > 0:
-                            cp[m] = c + D
-                            cr[m] = rc + pr[s0 + j - 1]
-                            cc[m] = r
-                            cn[m] = s0 + j - 1
-                            ck_[m] = kind
-                            m += 1
-                        while j < kk and c + extra + pp[s0 + j] <= limit:
-                            cp[m] = c + extra + pp[s0 + j]
-                            cr[m] = rc + pr[s0 + j]
-                            cc[m] = r
-                            cn[m] = s0 + j
-                            ck_[m] = kind
-                            m += 1
-                            j += 1
+                        cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
+                                                    limit)
                         if max_work > 0 and work + m > max_work:
                             e0 = np.empty(0, dtype=np.int64)
                             return e0, e0, e0, np.zeros(1, dtype=np.int64), e0, np.zeros(1, dtype=np.int64), False
@@ -621,68 +590,30 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                     count[st] = 0
                     continue
                 work += m
-                o1 = np.argsort(cr[:m], kind="mergesort")
-                o2 = o1[np.argsort(cp[:m][o1], kind="mergesort")]
-                if used + m > pp.shape[0]:
-                    pp = grow(pp, used + m)
-                    pr = grow(pr, used + m)
-                    pc = grow(pc, used + m)
-                    pn = grow(pn, used + m)
-                    pk = grow(pk, used + m)
-                best_r = BIG
-                for t in range(m):
-                    i = o2[t]
-                    if cr[i] < best_r:
-                        best_r = cr[i]
-                        pp[used] = cp[i]
-                        pr[used] = cr[i]
-                        pc[used] = cc[i]
-                        pn[used] = cn[i]
-                        pk[used] = ck_[i]
-                        used += 1
+                pool, used = keep_front(cand, m, pool, used)
                 if grain > 0:  # one point per peak bucket: its least recomputation (an approximate front)
                     keep = first[st]
                     for i in range(first[st], used):
-                        if i == used - 1 or pp[i] // grain != pp[i + 1] // grain:
-                            pp[keep] = pp[i]
-                            pr[keep] = pr[i]
-                            pc[keep] = pc[i]
-                            pn[keep] = pn[i]
-                            pk[keep] = pk[i]
+                        if i == used - 1 or pool[i, PEAK] // grain != pool[i + 1, PEAK] // grain:
+                            pool[keep] = pool[i]
                             keep += 1
                     used = keep
                 count[st] = used - first[st]
-    s0 = off[0]
-    k0 = count[s0]
-    peaks = pp[first[s0]: first[s0] + k0].copy()
-    recs = pr[first[s0]: first[s0] + k0].copy()
-    offsets = np.zeros(k0 + 1, dtype=np.int64)
-    soffsets = np.zeros(k0 + 1, dtype=np.int64)
-    flat = np.empty(max(1, k0 * n), dtype=np.int64)
-    sflat = np.empty(max(1, k0 * n), dtype=np.int64)
-    tot = 0
-    stot = 0
-    for t in range(k0):
-        idx = first[s0] + t
-        start = 0
-        while True:
-            r = pc[idx]
-            if pk[idx] == 1:
-                sflat[stot] = start
-                stot += 1
-            if r == n - 1 or pn[idx] < 0:
-                break
-            flat[tot] = r + 1
-            tot += 1
-            start = r + 1
-            idx = pn[idx]
-        offsets[t + 1] = tot
-        soffsets[t + 1] = stot
-    return peaks, recs, flat[:tot].copy(), offsets, sflat[:stot].copy(), soffsets, True
+    peaks, recs, flat, offsets, sflat, soffsets = front_plans(pool, first[off[0]], count[off[0]], n)
+    return peaks, recs, flat, offsets, sflat, soffsets, True
 
 
 @njit(cache=True)
-def brute_side(n, K, SD, Cpre, fadd, radd, badd, mark):
+def _next_state(off, SD, K, r, kind, S2):
+    """The state after a segment ending at ``r``: layer ``r + 1``, flagged when the segment is stored and
+    keeps its output (``x_r`` is held, not a checkpoint), and the side tensors held then (``S2``)."""
+    nb2 = SD.bptr[r + 2] - SD.bptr[r + 1]
+    f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
+    return off[r + 1] + f2 * (1 << nb2) + S2
+
+
+@njit(cache=True)
+def brute_side(n, K, SD, Cpre, sc):
     """Every checkpoint-only plan; the lowest peak, then the least recomputation, then the smallest mask."""
     starts = np.empty(n, dtype=np.int64)
     zeros = np.zeros(n, dtype=np.int64)
@@ -696,7 +627,7 @@ def brute_side(n, K, SD, Cpre, fadd, radd, badd, mark):
             if (mask >> j) & 1:
                 starts[m] = j + 1
                 m += 1
-        v = simulate_plan_side(starts[:m], zeros[:m], n, K, SD, fadd, radd, badd, mark)[0]
+        v = simulate_plan_side(starts[:m], zeros[:m], n, K, SD, sc)[0]
         if v > best:
             continue
         rc = plan_recompute(starts[:m], zeros[:m], n, True, K, Cpre)
@@ -733,13 +664,12 @@ def unheld_bits(SD, n: int) -> np.ndarray:
 
 
 def _context(costs):
-    from ..simulator.side_tensors import side_scratch
-
+    """``(SD, off, unheld, sc, ms)``: what every program of this module takes besides the kernel arrays."""
     SD = costs.side_arrays
     n = costs.n
     max_open = int(np.diff(np.asarray(SD.bptr)).max()) if n else 0
-    return (SD, state_offsets(SD, n), unheld_bits(SD, n),
-            side_scratch(n, len(costs.side)) + (_workspace(n, max_open, len(costs.side)),))
+    return (SD, state_offsets(SD, n), unheld_bits(SD, n), side_scratch(n, len(costs.side)),
+            mask_scratch(n, max_open, len(costs.side)))
 
 
 def _memo(costs) -> dict:
@@ -752,8 +682,8 @@ def lowest_peak(costs, allow_stored: bool = False) -> tuple[int, tuple[int, ...]
     """``(peak without static, checkpoints, stored)`` of the lowest-peak plan (exact)."""
     memo = _memo(costs)
     if bool(allow_stored) not in memo:
-        SD, off, unheld, scratch = _context(costs)
-        value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, bool(allow_stored), 0, *scratch)
+        SD, off, unheld, sc, ms = _context(costs)
+        value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, bool(allow_stored), 0, sc, ms)
         memo[bool(allow_stored)] = (int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored))
     return memo[bool(allow_stored)]
 
@@ -763,8 +693,8 @@ def solves_within(costs, max_work: int) -> bool:
     side-tensor program is O(n^3 2^k) when nothing prunes (a peak in the loss), far less when
     the saved-bytes bound does, which only the costs tell. A run that finishes is kept as
     :func:`lowest_peak`'s answer."""
-    SD, off, unheld, scratch = _context(costs)
-    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, False, int(max_work), *scratch)
+    SD, off, unheld, sc, ms = _context(costs)
+    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, False, int(max_work), sc, ms)
     if int(value) == NEG:
         return False
     _memo(costs)[False] = (int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored))
@@ -773,15 +703,13 @@ def solves_within(costs, max_work: int) -> bool:
 
 def front(costs, cap: int, allow_stored: bool, max_work: int, grain: int = 0):
     """The arrays of :func:`pareto_side` (relative cap; ``grain`` > 0: approximate, see there)."""
-    SD, off, unheld, scratch = _context(costs)
+    SD, off, unheld, sc, ms = _context(costs)
     return pareto_side(costs.n, costs.kernel_arrays, SD, off, unheld, costs.compute_prefix, int(cap), bool(allow_stored),
-                       int(max_work), int(grain), *scratch)
+                       int(max_work), int(grain), sc, ms)
 
 
 def brute(costs) -> tuple[int, tuple[int, ...]]:
     """``(peak without static, checkpoints)`` of the best checkpoint-only plan by trying each."""
-    from ..simulator.side_tensors import side_scratch
-
     value, _, plan = brute_side(costs.n, costs.kernel_arrays, costs.side_arrays, costs.compute_prefix,
-                                *side_scratch(costs.n, len(costs.side)))
+                                side_scratch(costs.n, len(costs.side)))
     return int(value), tuple(int(x) for x in plan)
