@@ -42,7 +42,7 @@ No torch import.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -95,9 +95,10 @@ def fsdp_shape(facts: ParamFacts, parallel: Parallel, n_layers: int, model_end: 
         if trainable:
             grad_shard[u] += shard
             opt.append(max(0, min(rows, dim0 - r * rows)) * row)
-    return FsdpShape(W, tuple(facts.units), tuple(gathered[:U]), tuple(grad_shard[:U]), tuple(param_shard[:U]),
-                     gathered[U], grad_shard[U], param_shard[U], tuple(opt),
-                     n_layers - 1 if model_end is None else int(model_end))
+    return FsdpShape(world=W, spans=tuple(facts.units), gathered=tuple(gathered[:U]),
+                     grad_shard=tuple(grad_shard[:U]), param_shard=tuple(param_shard[:U]),
+                     root_gathered=gathered[U], root_grad_shard=grad_shard[U], root_param_shard=param_shard[U],
+                     opt_sizes=tuple(opt), model_end=n_layers - 1 if model_end is None else int(model_end))
 
 
 def _unit_of(shape: FsdpShape, n: int) -> np.ndarray:
@@ -173,7 +174,8 @@ def fsdp_rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, para
     d["static"] = step_static + shape.root_gathered
     rc = ChainCosts.from_dict(d)
     grads = sum(shape.grad_shard) + shape.root_grad_shard
-    return FsdpRankCosts(rc, shape.opt_sizes, grads, sharded, step_static, 0, parallel,
+    return FsdpRankCosts(costs=rc, sizes=shape.opt_sizes, grad_bytes=grads, param_bytes=sharded,
+                         step_static=step_static, comm_bytes=0, parallel=parallel,
                          fsdp=(shape, fsdp_base(costs, step_static), tuple(int(x) for x in p)))
 
 
@@ -183,7 +185,7 @@ class FsdpRankCosts(RankCosts):
     def fb_peak(self, checkpoints, stored=(), accumulate: bool = False) -> RankPeak:
         shape, base, grads = self.fsdp
         v, phase, layer, held_grads, buffers = fsdp_peak(base, list(grads), shape, checkpoints, stored, accumulate)
-        return RankPeak(v, phase, layer, held_grads, buffers)
+        return RankPeak(bytes=v, phase=phase, layer=layer, grads=held_grads, buffers=buffers)
 
 
 def W_rs(shape: FsdpShape, u: int) -> int:
@@ -210,93 +212,149 @@ def fsdp_peak(base: ChainCosts, grads: list[int], shape: FsdpShape, checkpoints,
     first (the sharded gradients are there from the start; FSDP2 adds each new one into them).
     See the module note for the rules.
     """
-    n, U, W = base.n, len(shape.spans), shape.world
-    owner = [int(x) for x in _unit_of(shape, n)]
-    G = shape.gathered
-    f, fs, b = ([int(x) for x in getattr(base, k)] for k in ("f", "fs", "b"))
+    chain = _ChainWalk(owner=[int(x) for x in _unit_of(shape, base.n)], f=[int(x) for x in base.f],
+                       b=[int(x) for x in base.b], grads=grads)
     events = simulate_timeline(base, checkpoints, stored)
-    best = [0, "", -1, 0, 0]  # bytes, phase, layer, gradients then, FSDP2's buffers then
+    rank = _RankState.start(shape, accumulate)
+    _walk_forward(rank, chain, [e for e in events if e.phase == "forward"])
+    _walk_backward(rank, chain, [e for e in events if e.phase != "forward"])
+    return rank.peak
 
-    def see(v: int, phase: str, layer: int):
-        if v > best[0]:
-            grads = st["sharded"] + st["full"]
-            best[:] = [int(v), phase, int(layer), grads, extra() - grads]
 
-    root = shape.root_gathered  # the root's gathered parameters, held through forward and backward
-    st = dict(kept=shape.root_gathered, rs=0, sharded=0, full=0)
-    if accumulate:  # a later micro-batch: every sharded gradient is there from the start
-        st["sharded"] = sum(shape.grad_shard) + shape.root_grad_shard  # kept: the flat buffer of the last forward-mode gather
-    gathered: set[int] = set()
-    pending: dict[int, int] = {}  # prefetched flat buffers
+@dataclass(frozen=True)
+class _ChainWalk:
+    """The chain model's per-layer figures :func:`fsdp_peak` reads beside its timeline."""
 
-    def extra() -> int:
-        return (root + st["kept"] + sum(G[v] for v in gathered) + sum(pending.values()) + st["rs"]
-                + st["sharded"] + st["full"])
+    owner: list[int]  # the unit of each layer (-1: the root's)
+    f: list[int]  # each layer's forward transient (the chain model's ``f``)
+    b: list[int]  # each layer's backward transient (``b``)
+    grads: list[int]  # the full gradient bytes of each layer's parameters
 
-    def gather(u: int, level: int, phase: str, layer: int, forward_mode: bool):
-        flat = pending.pop(u, None)
-        see(level + extra() + G[u] + (0 if flat is not None else G[u]), phase, layer)
-        gathered.add(u)
-        if forward_mode:  # the flat buffer is kept until the next forward-mode gather (the previous one goes)
-            st["kept"] = G[u]
+    def level(self, e) -> int:
+        """The chain model's bytes under event ``e``: its high point less its layer's transient."""
+        return e.bytes - (self.b[e.layer] if e.phase == "backward" else self.f[e.layer])
 
-    fwd = [e for e in events if e.phase == "forward"]
-    if fwd:  # the root's gather, before the first layer
-        see(fwd[0].bytes - f[0] + root + st["kept"], "forward", 0)
-    for e in fwd:
-        i, u = e.layer, owner[e.layer]
+
+@dataclass
+class _RankState:
+    """FSDP2's bytes on one rank at the current event of :func:`fsdp_peak`'s walk (on top of the
+    chain model's), and the highest total seen so far."""
+
+    shape: FsdpShape
+    accumulate: bool  # a later micro-batch: every sharded gradient is there from the start
+    kept: int  # the flat buffer of the last forward-mode gather, freed at the next one
+    sharded: int = 0  # the sharded gradients (reduce-scatter outputs), kept until zero_grad
+    full: int = 0  # full-size gradients of the units whose backward has not ended
+    rs: int = 0  # the reduce-scatter input the last post-backward made
+    gathered: set[int] = field(default_factory=set)  # units whose parameters are gathered
+    pending: dict[int, int] = field(default_factory=dict)  # unit -> its prefetched flat buffer
+    peak: tuple[int, str, int, int, int] = (0, "", -1, 0, 0)  # bytes, phase, layer, gradients, FSDP2's buffers
+
+    @classmethod
+    def start(cls, shape: FsdpShape, accumulate: bool) -> _RankState:
+        """Before the forward: the root gathered (its flat buffer kept)."""
+        sharded = sum(shape.grad_shard) + shape.root_grad_shard if accumulate else 0
+        return cls(shape=shape, accumulate=accumulate, kept=shape.root_gathered, sharded=sharded)
+
+    def extra(self) -> int:
+        """FSDP2's bytes now: the root's gathered parameters (held through forward and backward),
+        flat buffers, gathered units, the reduce-scatter input and the gradients."""
+        G = self.shape.gathered
+        return (self.shape.root_gathered + self.kept + sum(G[v] for v in self.gathered)
+                + sum(self.pending.values()) + self.rs + self.sharded + self.full)
+
+    def see(self, v: int, phase: str, layer: int) -> None:
+        """A moment holding ``v`` bytes in all: the new peak if it is higher than the last."""
+        if v > self.peak[0]:
+            grads = self.sharded + self.full
+            self.peak = (int(v), phase, int(layer), grads, self.extra() - grads)
+
+    def gather(self, u: int, level: int, phase: str, layer: int, forward_mode: bool) -> None:
+        """Unit ``u``'s all-gather at chain level ``level``: its flat buffer (unless prefetched)
+        and its gathered parameters; in forward mode the flat buffer is kept until the next
+        forward-mode gather, which frees the previous one."""
+        G = self.shape.gathered
+        flat = self.pending.pop(u, None)
+        self.see(level + self.extra() + G[u] + (0 if flat is not None else G[u]), phase, layer)
+        self.gathered.add(u)
+        if forward_mode:
+            self.kept = G[u]
+
+    def pre_backward(self, hooks: list[int], level: int, layer: int) -> None:
+        """The gradient reached the output of each unit in ``hooks`` (-1: the root): gather it if
+        it is not gathered yet, and prefetch the flat buffer of the unit before it."""
+        U, G = len(self.shape.spans), self.shape.gathered
+        for v in hooks:
+            if v >= 0 and v not in self.gathered:
+                self.gather(v, level, "backward", self.shape.spans[v][1], False)
+            target = U - 1 if v < 0 else v - 1
+            if 0 <= target and target not in self.gathered and target not in self.pending:
+                self.pending[target] = G[target]
+                self.see(level + self.extra(), "backward", layer)
+
+    def post_backward(self, u: int, grads: list[int]) -> None:
+        """Unit ``u``'s backward ended: reshard it, and reduce-scatter its full gradients (the
+        previous reduce-scatter input freed) into its sharded ones."""
+        self.gathered.discard(u)
+        s, e = self.shape.spans[u]
+        self.full -= sum(grads[s:e + 1])
+        self.rs = self.shape.world * self.shape.grad_shard[u]
+        self.sharded += 0 if self.accumulate else self.shape.grad_shard[u]
+
+
+def _walk_forward(rank: _RankState, chain: _ChainWalk, events: list) -> None:
+    """The forward's events: the root gathers before the first layer, each unit as its first
+    layer runs (resharded after its last); the last flat buffer is freed as the model's forward ends."""
+    shape = rank.shape
+    if events:
+        rank.see(events[0].bytes - chain.f[0] + shape.root_gathered + rank.kept, "forward", 0)
+    for e in events:
+        i, u = e.layer, chain.owner[e.layer]
         if u >= 0 and i == shape.spans[u][0]:
-            gather(u, e.bytes - f[i], "forward", i, True)
-        see(e.bytes + extra(), "forward", i)
+            rank.gather(u, chain.level(e), "forward", i, True)
+        rank.see(e.bytes + rank.extra(), "forward", i)
         if u >= 0 and i == shape.spans[u][1]:
-            gathered.discard(u)
+            rank.gathered.discard(u)
         if i == shape.model_end:
-            st["kept"] = 0
+            rank.kept = 0
 
+
+def _walk_backward(rank: _RankState, chain: _ChainWalk, events: list) -> None:
+    """The backward's and recomputations' events, with FSDP2's hooks as the gradient reaches each
+    unit's output (pre-backward) and leaves its input (post-backward)."""
+    shape = rank.shape
     recomputing = -1  # the unit whose recomputation holds a flat buffer
-    triggers: list[int] = []  # pre-backward hooks due (-1: the root's)
-    if shape.model_end == n - 1:
-        triggers.append(-1)
-    triggers += [v for v in range(U) if shape.spans[v][1] == n - 1]
-    events = [e for e in events if e.phase != "forward"]
+    hooks = _hooks_due(shape, len(chain.owner))
     for k, e in enumerate(events):
-        i, u = e.layer, owner[e.layer]
-        level = e.bytes - (b[i] if e.phase == "backward" else f[i])
+        i, u = e.layer, chain.owner[e.layer]
         nxt = events[k + 1] if k + 1 < len(events) else None
-        # a checkpointed segment's last saving layer, its backward up to its first read of a saved
-        # tensor (the recomputation, or the rest of its backward, follows): the level the next event has
+        # NB: the backward of a checkpointed segment's last saving layer, up to its first read of a
+        # saved tensor, is followed by the recomputation or the rest of that backward: its hooks
+        # run at the level the next event starts at
         first = nxt is not None and e.phase == "backward" and (nxt.phase == "recompute" or nxt.layer == i)
-        if first:
-            level = nxt.bytes - (b[i] if nxt.phase == "backward" else f[nxt.layer])
-        for v in triggers:  # the gradient reached v's output: gather v (if not yet), prefetch the one before
-            w = U - 1 if v < 0 else v
-            if v >= 0 and v not in gathered:
-                gather(v, level, "backward", shape.spans[v][1], False)
-            target = w if v < 0 else v - 1
-            if 0 <= target and target not in gathered and target not in pending:
-                pending[target] = G[target]
-                see(level + extra(), "backward", i)
-        triggers = []
-        if st["kept"] and (e.phase == "backward" or u != recomputing):
-            st["kept"] = 0  # a recomputed unit's forward ended: it frees its flat buffer (it is its own
+        rank.pre_backward(hooks, chain.level(nxt if first else e), i)
+        hooks = []
+        if rank.kept and (e.phase == "backward" or u != recomputing):
+            rank.kept = 0  # a recomputed unit's forward ended: it frees its flat buffer (it is its own
             # forward's root then), but stays gathered until its backward
         if e.phase == "recompute":
-            if u >= 0 and u not in gathered:
-                gather(u, e.bytes - f[i], "recompute", i, True)
+            if u >= 0 and u not in rank.gathered:
+                rank.gather(u, chain.level(e), "recompute", i, True)
                 recomputing = u
-            see(e.bytes + extra(), "recompute", i)
+            rank.see(e.bytes + rank.extra(), "recompute", i)
             continue
-        see(e.bytes + extra(), "backward", i)
+        rank.see(e.bytes + rank.extra(), "backward", i)
         if first:
             continue
-        st["full"] += grads[i]
-        if u >= 0 and i == shape.spans[u][0]:  # post-backward: reshard, reduce-scatter
-            gathered.discard(u)
-            s_, e_ = shape.spans[u]
-            st["full"] -= sum(grads[s_:e_ + 1])
-            st["rs"] = W * shape.grad_shard[u]
-            st["sharded"] += 0 if accumulate else shape.grad_shard[u]
-        if i == shape.model_end + 1:
-            triggers.append(-1)
-        triggers += [v for v in range(U) if shape.spans[v][1] + 1 == i]
-    return tuple(best)
+        rank.full += chain.grads[i]
+        if u >= 0 and i == shape.spans[u][0]:
+            rank.post_backward(u, chain.grads)
+        hooks = _hooks_due(shape, i)
+
+
+def _hooks_due(shape: FsdpShape, i: int) -> list[int]:
+    """The pre-backward hooks that run once layer ``i``'s backward ends, the gradient reaching layer
+    ``i - 1``'s output (``i = n``: the loss's gradient reaching the last layer's): the root's (-1)
+    at the model's output, then each unit whose last layer is ``i - 1``."""
+    return ([-1] if i == shape.model_end + 1 else []) + [v for v in range(len(shape.spans))
+                                                          if shape.spans[v][1] + 1 == i]
