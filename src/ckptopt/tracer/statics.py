@@ -141,44 +141,74 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
     In graph order.
     """
     group_of = {n: j for j, members in enumerate(groups) for n in members}
-    last = len(groups) - 1
     ordered = [n for members in groups for n in members]
-    # clusters of static op nodes over one storage (union-find)
-    parent: dict[fx.Node, fx.Node] = {n: n for n in ordered if n in static}
+    clusters = _StaticClusters.of(ordered, static, values)
+    reach = _layers_reached(clusters, group_of, len(groups) - 1)
+    dest = _destinations(clusters, reach, ordered, group_of)
+    _follow_static_users(clusters, reach, dest)
+    hoisted = [n for n in ordered if n in clusters and dest[clusters.find(n)] == -1]
+    return _moved_into_groups(groups, ordered, clusters, dest), hoisted
 
-    def find(n: fx.Node) -> fx.Node:
+
+class _StaticClusters:
+    """The static op nodes, in clusters that move together (union-find): the nodes over one
+    storage, and the nodes of one vmap region."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        self.parent: dict[fx.Node, fx.Node] = {n: n for n in nodes}
+        self.members: dict[fx.Node, list[fx.Node]] = {}  # a cluster's root -> its nodes, in graph order
+
+    @classmethod
+    def of(cls, ordered: list[fx.Node], static: set[fx.Node], values: dict[fx.Node, Any]) -> _StaticClusters:
+        """The clusters of the static nodes among ``ordered`` (the nodes of the layers, in order)."""
+        clusters = cls([n for n in ordered if n in static])
+        for n in clusters.parent:
+            outs = tensor_leaves(values.get(n))
+            for a in n.all_input_nodes:
+                if a in clusters and any(_aliases(o, t) for o in outs for t in tensor_leaves(values.get(a))):
+                    clusters.join(n, a)
+        # NB: a vmap region (transformers builds masks with nested vmaps) runs whole: its nesting
+        # calls carry no tensor, and a cut inside it would leave a vmap level open across layers
+        placed = set(ordered)
+        for region in _nesting_regions(ordered):
+            region = [n for n in region if n in placed]  # (not the get_attr nodes of the vmapped function)
+            if region and all(n in clusters for n in region):
+                for n in region[1:]:
+                    clusters.join(n, region[0])
+        for n in clusters.parent:
+            clusters.members.setdefault(clusters.find(n), []).append(n)
+        return clusters
+
+    def __contains__(self, n: fx.Node) -> bool:
+        return n in self.parent
+
+    def find(self, n: fx.Node) -> fx.Node:
+        """The root of ``n``'s cluster."""
+        parent = self.parent
         while parent[n] is not n:
             parent[n] = parent[parent[n]]
             n = parent[n]
         return n
 
-    for n in parent:
-        outs = tensor_leaves(values.get(n))
-        for a in n.all_input_nodes:
-            if a in parent and any(_aliases(o, t) for o in outs for t in tensor_leaves(values.get(a))):
-                parent[find(n)] = find(a)
-    # a vmap region (transformers builds masks with nested vmaps) runs whole: its nesting calls
-    # carry no tensor, and a cut inside it would leave a vmap level open across layers
-    placed = set(ordered)
-    for region in _nesting_regions(ordered):
-        region = [n for n in region if n in placed]  # (not the get_attr nodes of the vmapped function)
-        if region and all(n in parent for n in region):
-            for n in region[1:]:
-                parent[find(n)] = find(region[0])
-    members_of: dict[fx.Node, list[fx.Node]] = {}
-    for n in parent:
-        members_of.setdefault(find(n), []).append(n)
-    # the layers each cluster's value reaches: through its users outside the cluster (a static
-    # user passes on what it reaches); fixpoint, since a cluster spans several graph positions
-    reach: dict[fx.Node, set[int]] = {c: set() for c in members_of}
+    def join(self, n: fx.Node, a: fx.Node) -> None:
+        """One cluster of ``n``'s and ``a``'s (``a``'s root its root)."""
+        self.parent[self.find(n)] = self.find(a)
+
+
+def _layers_reached(clusters: _StaticClusters, group_of: dict[fx.Node, int], last: int) -> dict[fx.Node, set[int]]:
+    """The layers each cluster's value reaches, through its users outside the cluster: a static user
+    passes on what it reaches; a user outside the groups (the graph's output) counts as the last
+    layer. A fixpoint, since a cluster spans several graph positions."""
+    find = clusters.find
+    reach: dict[fx.Node, set[int]] = {c: set() for c in clusters.members}
     changed = True
     while changed:
         changed = False
-        for c, members in members_of.items():
+        for c, members in clusters.members.items():
             out = set(reach[c])
             for n in members:
                 for u in n.users:
-                    if u in parent:
+                    if u in clusters:
                         if find(u) is not c:
                             out |= reach[find(u)]
                     else:
@@ -186,11 +216,19 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
             if out != reach[c]:
                 reach[c] = out
                 changed = True
-    # destination per cluster: -1 hoisted, else a group index; clusters reaching no layer go
-    # where the last of their static inputs goes (in graph order, so inputs are placed first)
+    return reach
+
+
+def _destinations(clusters: _StaticClusters, reach: dict[fx.Node, set[int]], ordered: list[fx.Node],
+                  group_of: dict[fx.Node, int]) -> dict[fx.Node, int]:
+    """Each cluster's place: -1 hoisted (it reaches several layers), else a group index (the one
+    layer it reaches). A cluster reaching no layer goes where the last of its static inputs goes
+    (clusters are placed in graph order, so its inputs are placed first), or, with none, where
+    its first node is."""
+    find = clusters.find
     dest: dict[fx.Node, int] = {}
     for n in ordered:
-        if n not in parent or find(n) in dest:
+        if n not in clusters or find(n) in dest:
             continue
         c = find(n)
         r = reach[c]
@@ -199,33 +237,46 @@ def place_statics(groups: list[list[fx.Node]], static: set[fx.Node],
         elif r:
             dest[c] = next(iter(r))
         else:
-            inputs = [find(a) for m in members_of[c] for a in m.all_input_nodes if a in parent and find(a) is not c]
+            members = clusters.members[c]
+            inputs = [find(a) for m in members for a in m.all_input_nodes if a in clusters and find(a) is not c]
             placed = [dest[i] for i in inputs if i in dest]
-            dest[c] = max(placed) if placed else min(group_of[m] for m in members_of[c])
-    # a cluster reaching no layer whose static users went elsewhere follows them (one place) or is
-    # hoisted (several): its value is passed to no layer (JambaForCausalLM's dead mask: its first op
-    # stayed in a layer of its own, the next was placed later and could not read it)
+            dest[c] = max(placed) if placed else min(group_of[m] for m in members)
+    return dest
+
+
+def _follow_static_users(clusters: _StaticClusters, reach: dict[fx.Node, set[int]],
+                         dest: dict[fx.Node, int]) -> None:
+    """Move each cluster that reaches no layer to its static users when they went elsewhere: to
+    their place when it is one and later than its own (its static inputs still run before it),
+    else hoisted. Such a cluster's value is passed to no layer, so a user placed in another layer
+    reads it only if it runs there too, or before the first layer."""
+    find = clusters.find
     changed = True
     while changed:
         changed = False
-        for c, members in members_of.items():
+        for c, members in clusters.members.items():
             if reach[c] or dest[c] == -1:
                 continue
-            targets = {dest[find(u)] for n in members for u in n.users if u in parent and find(u) is not c}
+            targets = {dest[find(u)] for n in members for u in n.users if u in clusters and find(u) is not c}
             targets.discard(dest[c])
             if targets:
                 dest[c] = next(iter(targets)) if len(targets) == 1 and min(targets) > dest[c] else -1
                 changed = True
-    hoisted = [n for n in ordered if n in parent and dest[find(n)] == -1]
+
+
+def _moved_into_groups(groups: list[list[fx.Node]], ordered: list[fx.Node], clusters: _StaticClusters,
+                       dest: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """The layers' groups with each static node in its cluster's place (none where hoisted), in
+    graph order."""
     moved: dict[int, list[fx.Node]] = {}
     for n in ordered:
-        if n in parent and dest[find(n)] >= 0:
-            moved.setdefault(dest[find(n)], []).append(n)
+        if n in clusters and dest[clusters.find(n)] >= 0:
+            moved.setdefault(dest[clusters.find(n)], []).append(n)
     out_groups = []
     for j, members in enumerate(groups):
         # the static nodes placed here, in graph order, then the layer's own nodes
-        out_groups.append(moved.get(j, []) + [n for n in members if n not in parent])
-    return _in_graph_order(out_groups), hoisted
+        out_groups.append(moved.get(j, []) + [n for n in members if n not in clusters])
+    return _in_graph_order(out_groups)
 
 
 def _nesting_regions(nodes: list[fx.Node]) -> list[list[fx.Node]]:
