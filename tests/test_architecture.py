@@ -27,7 +27,7 @@ STAGES = [
     ("costs", "cost_fields", "plan", "sides"),
     ("simulator",),
     ("solvers",),
-    ("torch_utils", "tracker", "fake"),
+    ("torch_utils", "storages", "tracker", "fake"),
     ("tracer",),
     ("rewriter", "inplace"),
     ("api", "measure", "planning", "calibration"),

@@ -56,7 +56,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from .cost_fields import ADDITIVE, FULL, OPTIONAL, REQUIRED, Field, by_key
+from .cost_fields import ADDITIVE, FULL, REQUIRED, Field, by_key
 from .errors import InvalidCosts
 from .sides import SideArrays, SideTensor, side_tensors
 
@@ -613,7 +613,6 @@ class ChainCosts:
         its input's pack -- else its input pack comes first.
         """
         n = self.n
-        z = np.zeros(n, dtype=np.int64)
         if self.kind == "additive":
             h, q, w = self._fields["h"], self._fields["q"], self._fields["w"]
             P = np.concatenate([[0], np.cumsum(h)])

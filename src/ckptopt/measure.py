@@ -31,7 +31,8 @@ from .torch_utils import (Inputs, check_module, default_loss, no_lasting_state, 
                           resolve_device, tensor_leaves)
 from .tracer import TracedModel, trace
 from .tracer.capture.blocks import rebind
-from .tracker import StorageTracker, storage_bytes
+from .storages import storage_bytes
+from .tracker import StorageTracker
 
 __all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake",
            "measure_training_step", "measure_rank_step", "make_optimizer"]

@@ -4,8 +4,8 @@
   called, ``model(*args, **kwargs)``;
 * :func:`fake_copy`: a fake-tensor copy of a model and its inputs (no memory);
 * :func:`default_loss`: the loss planning and measuring use when none is given;
-* tensor helpers: :func:`tensor_leaves`, :func:`storage_nbytes`, :func:`is_fake`,
-  :func:`distinct_storages`.
+* tensor helpers: :func:`tensor_leaves`, :func:`is_fake`, :func:`clone_layout` (storages:
+  :mod:`ckptopt.storages`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 __all__ = ["Inputs", "normalize_inputs", "default_loss", "tensor_leaves",
-           "storage_nbytes", "clone_layout", "is_fake", "inspected_by_type", "distinct_storages", "check_module", "resolve_device", "no_lasting_state",
+           "clone_layout", "is_fake", "inspected_by_type", "check_module", "resolve_device", "no_lasting_state",
            "PythonState", "python_state", "data_dependent_construct", "source_line", "own_checkpointing_hint",
            "FAKE_VALUES_NOTE", "REWRITE_HINT", "restore_python_state", "describe_value", "ATOMS", "base_container"]
 
@@ -89,40 +89,6 @@ def is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return isinstance(t, FakeTensor)
-
-
-def storage_nbytes(t: torch.Tensor) -> int:
-    """Bytes of the tensor's storage (of its elements when it has no usable storage)."""
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):
-        return int(t.numel() * t.element_size())
-
-
-def storage_identity(t: torch.Tensor) -> int:
-    """A key of the tensor's storage: its address for real memory; for meta storages (which all
-    have address 0) the storage itself; for fake ones the storage object. A functorch wrapper (a
-    ``vmap`` level's BatchedTensor, which transformers' mask functions leave among a capture's
-    values) has no storage of its own: the tensor it wraps is asked."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        t = functorch.get_unwrapped(t)
-    if is_fake(t):
-        return id(t.untyped_storage())
-    if t.is_meta:
-        return -1 - t.untyped_storage()._cdata
-    return t.untyped_storage().data_ptr()
-
-
-def distinct_storages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """One tensor per storage (fake storages by identity, real ones by address)."""
-    seen, out = set(), []
-    for t in tensors:
-        key = storage_identity(t)
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 # --------------------------------------------------------------------------

@@ -31,30 +31,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from .storages import real_storage, storage_key
 from .torch_utils import tensor_leaves
 
-__all__ = ["StorageTracker", "real_storage", "inner_tensors", "storage_key", "storage_bytes"]
-
-
-def real_storage(t: torch.Tensor, allow_fake: bool = False) -> torch.UntypedStorage | None:
-    """The tensor's storage, or None for sparse tensors, empty storages, wrapper subclasses
-    (a DTensor: :func:`inner_tensors` gives the tensors that hold its memory) and, unless
-    ``allow_fake``, meta/fake tensors (FakeTensor storages are on the meta device)."""
-    if is_traceable_wrapper_subclass(t):
-        return None
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, some subclasses
-        return None
-    if storage.nbytes() == 0 or (storage.device.type == "meta" and not allow_fake):
-        return None
-    return storage
+__all__ = ["StorageTracker", "inner_tensors"]
 
 
 def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -68,25 +54,6 @@ def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
                 yield from inner_tensors(inner)
     else:
         yield t
-
-
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """``data_ptr`` for real memory; for meta/fake storages (which all report 0) a
-    negative key unique to the storage object."""
-    if storage.device.type == "meta":
-        return -1 - id(storage)
-    return storage.data_ptr()
-
-
-def storage_bytes(tensors: Iterator[torch.Tensor] | Sequence[torch.Tensor], exclude: set[int] = frozenset(),
-                   fake: bool = False) -> tuple[int, set[int]]:
-    """Total bytes of the distinct storages of ``tensors`` (by storage key), minus ``exclude``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = real_storage(t, fake)
-        if s is not None and storage_key(s) not in exclude:
-            seen[storage_key(s)] = s.nbytes()
-    return sum(seen.values()), set(seen)
 
 
 def _release(tracker_ref: "weakref.ref[StorageTracker]", sid: int) -> None:

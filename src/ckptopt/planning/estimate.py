@@ -14,7 +14,8 @@ from ..solvers.limits import TIE_BREAK_MAX_WORK
 from ..solvers.pareto import FrontTooLarge, least_recompute
 from ..errors import InfeasibleBudget
 from ..plan import Plan
-from ..torch_utils import Inputs, distinct_storages, normalize_inputs, storage_nbytes
+from ..storages import distinct_storages, storage_nbytes
+from ..torch_utils import Inputs, normalize_inputs
 from ..tracer.meta import planned_on
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory

@@ -26,10 +26,9 @@ picks the strategy.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
-import numpy as np
 
 from ..costs import ChainCosts
 from ..simulator import simulate

@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-from ..torch_utils import Inputs, distinct_storages, storage_nbytes
+from ..storages import distinct_storages, storage_nbytes
+from ..torch_utils import Inputs
 from ..tracer.capture.base import module_path
 from .parallel import ParamFacts
 

@@ -27,11 +27,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..costs import ChainCosts
-from ..errors import TraceError
 from ..fake import fake_copy
-from ..torch_utils import (Inputs, default_loss, distinct_storages, normalize_inputs, storage_identity, storage_nbytes,
-                           tensor_leaves)
-from .capture import Captured, check_capture_mode, module_path
+from ..storages import storage_nbytes
+from ..torch_utils import Inputs, default_loss, normalize_inputs, tensor_leaves
+from .capture import Captured, check_capture_mode
 from .capture import capture as capture_graph
 from ..solvers.limits import SIDE_AUTO_MAX_WORK
 from ..solvers.side_tensors import solves_within
@@ -39,6 +38,7 @@ from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
 from .side_tensors import find_crossings, merge_aliased, merge_outputless
 from .layer_run import reachable
+from .assemble import ChainParts, chain_costs, distinct_bytes, prefix_peak
 from .layers import Layer, hoisted_side_tensors, measure_layers
 from .propagate import FakeRecorder, autocast_cache_bytes
 from .statics import param_views, place_statics, static_nodes
@@ -220,144 +220,121 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
     what :func:`trace` runs after its capture stage, and what re-prices a plan at other shapes."""
     inputs = normalize_inputs(example_inputs)
     loss_fn = loss_fn or default_loss
-    gm = captured.gm
+    run = _propagate(model, captured, inputs, loss_fn)
+    grouping = _Grouping.of(run, captured)
+    static = _StaticBytes(param=distinct_bytes(list(model.parameters())), buffer=distinct_bytes(list(model.buffers())),
+                          input=distinct_bytes(list(inputs.tensors())))
+    layers, costs, hoisted, max_crossing = _measure_at_a_crossing(run, grouping, captured, loss_fn, static,
+                                                                   max_crossing)
+    gm, values = captured.gm, run.values
+    read = {name for l in layers for name in (l.input_node, *l.static_inputs, *l.side_inputs)}
+    return TracedModel(
+        gm=gm, graph=_nx_graph(gm, values, run.fake_gm), layers=layers, costs=costs,
+        opaque_modules=captured.opaque, input_bytes=static.input, param_bytes=static.param,
+        buffer_bytes=static.buffer, example_shapes=inputs.shapes, loss_fn=loss_fn, capture=captured,
+        hoisted=tuple(n.name for n in hoisted),
+        constants={n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)},
+        tensor_meta={n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
+                     if n.name in read and isinstance(v, torch.Tensor)},
+        max_crossing=max_crossing)
+
+
+@dataclass
+class _Propagated:
+    """The captured graph run once on fake tensors."""
+
+    fake_gm: fx.GraphModule
+    fake_mode: Any
+    values: dict  #: node of ``fake_gm`` -> its fake value
+    trained: set[int] | None  #: ids of the parameters the loss reaches (None: all)
+    cast_cache_bytes: int  #: autocast's cached weight casts (static)
+
+
+def _propagate(model: nn.Module, captured: Captured, inputs: Inputs, loss_fn: Callable) -> _Propagated:
+    """Bind the batch to the graph and run it on a fake copy of the model."""
     flat = captured.bind(inputs)
     if flat is None:
         takes = ", ".join(n.target for n in captured.placeholders)
         given = [f"{len(inputs.args)} positional"] + [f"{k}=" for k in inputs.kwargs]
         raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward: it takes ({takes}), got "
                         f"{', '.join(given)}; pass the batch as the model is called in training")
-    fake = fake_copy(gm, Inputs(tuple(flat)))
-    fake_gm, fake_mode = fake.model, fake.mode
-    rec = FakeRecorder(fake_gm)
-    with fake_mode, torch.enable_grad():
+    fake = fake_copy(captured.gm, Inputs(tuple(flat)))
+    rec = FakeRecorder(fake.model)
+    with fake.mode, torch.enable_grad():
         out = rec.run(*fake.inputs.args)
         trained = _trained_parameters(out, captured, loss_fn)
-    values = dict(rec.values)  # keyed by the nodes of fake_gm
-    cast_cache_bytes = autocast_cache_bytes(fake_gm, fake.inputs, fake_mode)
+    run = _Propagated(fake.model, fake.mode, dict(rec.values), trained,
+                      autocast_cache_bytes(fake.model, fake.inputs, fake.mode))
     if not any(t.requires_grad for t in tensor_leaves(out)):
         raise ValueError(
             "the model's output does not require grad on these inputs (no trainable parameter reaches it); "
             "nothing to checkpoint"
         )
+    return run
 
-    # static values: model inputs needing no gradient; on op-level (export) graphs also what is
-    # computed from them alone, hoisted before the first layer when read by several layers
-    placeholders = [n for n in fake_gm.graph.nodes if n.op == "placeholder"]
-    derived = captured.front_end != "fx"
-    static = static_nodes(fake_gm, values) if derived else {n for n in placeholders
-                                                           if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
-    static |= param_views(fake_gm, values)  # (a weight's transpose: the parameter's storage, placed like a static)
-    out_node = next(n for n in fake_gm.graph.nodes if n.op == "output")
 
-    def layer_groups(crossing: int):
-        groups = candidate_groups(fake_gm, values, static, crossing)
+@dataclass
+class _Grouping:
+    """How the graph's nodes fall into layers at a crossing: static values (model inputs needing no
+    gradient; on op-level (export) graphs also what is computed from them alone, hoisted before the first
+    layer when several layers read it), then the cuts between the rest."""
+
+    run: _Propagated
+    static: set
+    placeholders: list
+    out_node: fx.Node
+    derived: bool  #: an op-level graph: statics derived from inputs are hoisted
+
+    @classmethod
+    def of(cls, run: _Propagated, captured: Captured) -> "_Grouping":
+        gm, values = run.fake_gm, run.values
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        derived = captured.front_end != "fx"
+        static = static_nodes(gm, values) if derived else {
+            n for n in placeholders if not any(t.requires_grad for t in tensor_leaves(values.get(n)))}
+        static |= param_views(gm, values)  # (a weight's transpose: the parameter's storage, placed like a static)
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        return cls(run, static, placeholders, out_node, derived)
+
+    def groups(self, crossing: int) -> tuple[list[list[fx.Node]], list[fx.Node]]:
+        """``(groups, hoisted)``: the layers' nodes at ``crossing``, and the nodes hoisted before them."""
+        values = self.run.values
+        groups = candidate_groups(self.run.fake_gm, values, self.static, crossing)
         hoisted: list[fx.Node] = []
-        if derived or any(n.op != "placeholder" for n in static):
-            groups, hoisted = place_statics(groups, static, values)
+        if self.derived or any(n.op != "placeholder" for n in self.static):
+            groups, hoisted = place_statics(groups, self.static, values)
         groups = [g for g in groups if g]  # (empty: made only of hoisted or moved nodes)
         # op-level graphs: assertions and same-dtype casts between blocks are no layers
-        groups = merge_aliased(groups, static, values, out_node, always=derived)
-        groups = merge_outputless(groups, static, values, out_node)
+        groups = merge_aliased(groups, self.static, values, self.out_node, always=self.derived)
+        groups = merge_outputless(groups, self.static, values, self.out_node)
         return groups, hoisted
 
-    param_bytes = sum(storage_nbytes(p) for p in distinct_storages(model.parameters()))
-    buffer_bytes = sum(storage_nbytes(b) for b in distinct_storages(model.buffers()))
-    input_bytes = sum(storage_nbytes(t) for t in distinct_storages(inputs.tensors()))
 
-    def _build_costs(groups, hoisted):
-        """(layers, costs) of one grouping: the layers measured, the side tensors found."""
-        readable = {n for n in static if n.op == "placeholder" or n in set(hoisted)}
-        crossings = find_crossings(groups, static, values, out_node)
+@dataclass(frozen=True)
+class _StaticBytes:
+    """The model's own static bytes."""
 
-        model_output = out_node.args[0]
-        single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
+    param: int
+    buffer: int
+    input: int
 
-        layers, side, grad_store, grad_root, param_owner = measure_layers(
-            fake_gm, fake_mode, groups, crossings, readable, values, placeholders, captured, loss_fn, model_output,
-            single_output)
-        # gradient bytes of the parameters, charged to the last layer that uses them (tied weights once);
-        # a frozen parameter (a LoRA base weight) gets none
-        fake_params = {id(p): p for p in fake_gm.parameters() if p.requires_grad}
-        p_bytes = [0] * len(layers)
-        for pid, j in param_owner.items():
-            # (a parameter the loss does not reach gets no gradient: a head whose output is returned
-            # beside the loss, SigLIP's attention pooling under image classification)
-            p_bytes[j] += storage_nbytes(fake_params[pid]) if pid in fake_params and (
-                trained is None or pid in trained) else 0
-        fake_in = [t for n in placeholders for t in tensor_leaves(values.get(n))]
-        kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
-        # hoisted values the layers read live as side tensors made before the first layer (held while a
-        # layer that saves them, or a checkpoint's frame, does: not for the whole step); the rest (read
-        # by the model's output) stay static
-        early, kept = hoisted_side_tensors(kept, layers, values, out_node,
-                                           fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers()))
-        side = list(side) + early
-        hoisted_tensors = [t for n in kept for t in tensor_leaves(values.get(n))]
-        fake_in = fake_in + list(fake_gm.parameters()) + list(fake_gm.buffers())  # (a hoisted weight view is free)
-        hoisted_bytes = (sum(storage_nbytes(t) for t in distinct_storages(fake_in + hoisted_tensors))
-                         - sum(storage_nbytes(t) for t in distinct_storages(fake_in)))
-        # the prefix's own high point (ProphetNet builds 20 MB of relative-position buckets to keep a
-        # few): no layer runs then, so layer 0's forward transient carries what exceeds the values kept
-        f0 = [l.costs.f for l in layers]
-        ff = [l.costs.f if l.costs.ff is None else l.costs.ff for l in layers]
-        fc = [l.costs.f if l.costs.fc is None else l.costs.fc for l in layers]  # (a checkpoint's first pass)
-        ffc = [f if l.costs.ffc is None else l.costs.ffc for f, l in zip(ff, layers)]
-        if hoisted and f0:
-            f0[0] = max(f0[0], _prefix_peak(hoisted, values, fake_in) - hoisted_bytes
-                        - sum(t.bytes for t in early))
-            ff[0] = max(ff[0], f0[0])
-            fc[0] = max(fc[0], f0[0])
-            ffc[0] = max(ffc[0], f0[0])
-        rg = _rg(layers, side, grad_root, grad_store)
-        br = [l.costs.b if l.costs.br is None else l.costs.br for l in layers]
-        bkr = [(l.costs.b if l.costs.bk is None else l.costs.bk) if l.costs.bkr is None else l.costs.bkr
-               for l in layers]
-        costs = ChainCosts(
-            a=[l.costs.a for l in layers], p=p_bytes, sin=[l.costs.sin for l in layers],
-            sout=[l.costs.sout for l in layers], m=[l.costs.m for l in layers], f=f0, ff=ff, fc=fc, ffc=ffc,
-            ffs=[l.costs.fs if l.costs.ffs is None else l.costs.ffs for l in layers],
-            b=[l.costs.b for l in layers], fs=[l.costs.fs for l in layers], rg=rg,
-            bk=[l.costs.b if l.costs.bk is None else l.costs.bk for l in layers],
-            bf=[l.costs.b if l.costs.bf is None else l.costs.bf for l in layers],
-            br=br, bkr=bkr,
-            # a checkpointed segment's last saving layer: its backward before and from its first read of
-            # a saved tensor (the recomputation runs between)
-            brt=[x if l.costs.brt is None else l.costs.brt for x, l in zip(br, layers)],
-            bkrt=[x if l.costs.bkrt is None else l.costs.bkrt for x, l in zip(bkr, layers)],
-            rgp=[x + l.costs.rgx for x, l in zip(rg, layers)],
-            g=grad_store,
-            dead=[l.costs.dead for l in layers], holds=[l.costs.holds for l in layers],
-            static=param_bytes + buffer_bytes + input_bytes + cast_cache_bytes + hoisted_bytes,
-            names=[l.name for l in layers], c=[l.flops for l in layers], side=side,
-            groot=grad_root if side else None, gh=[l.costs.gh for l in layers] if side else None,
-            # each layer's backward peak before and after its last saved tensor goes (a checkpoint's frame,
-            # and the side tensors only it holds, go then)
-            fpre=[int(l.costs.frame_pre or 0) for l in layers] if side and all(
-                l.costs.frame_pre is not None for l in layers) else None,
-            fpost=[int(l.costs.frame_post or 0) for l in layers] if side and all(
-                l.costs.frame_pre is not None for l in layers) else None,
-            # ... where only the frame holds the layer's input (it goes with the frame)
-            fkpre=[int(l.costs.frame_pre_k if l.costs.frame_pre_k is not None else l.costs.frame_pre or 0)
-                   for l in layers] if side and all(l.costs.frame_pre is not None for l in layers) else None,
-            fkpost=[int(l.costs.frame_post_k if l.costs.frame_post_k is not None else l.costs.frame_post or 0)
-                    for l in layers] if side and all(l.costs.frame_pre is not None for l in layers) else None,
-        )
-        return layers, costs
 
+def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Captured, loss_fn: Callable,
+                           static: _StaticBytes, max_crossing: int | None) -> tuple[list, ChainCosts, list, int]:
+    """``(layers, costs, hoisted, crossing)`` at ``max_crossing``, or, when None, at the most tensors per cut
+    (8, halved down to 1) whose layers the tracer measures and whose exact side-tensor program finishes in
+    seconds (:data:`~ckptopt.tracer.cuts.SIDE_AUTO_MAX_N`, a trial run within
+    :data:`~ckptopt.solvers.limits.SIDE_AUTO_MAX_WORK`); the reason for fewer goes to the capture's notes."""
     auto = max_crossing is None
     max_crossing = MAX_CROSSING if auto else max_crossing
-    groups, hoisted = layer_groups(max_crossing)
+    groups, hoisted = grouping.groups(max_crossing)
     many = len(groups)
-    while auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:
-        # too many layers to measure and solve at this crossing: fewer tensors per cut
-        # (8 -> 4 -> 2 -> 1; a T5 with LoRA on every linear layer: 416 layers at 8, 258 at 4 with the
-        # same optimal peak, 39 at 2 with a 1.8x higher one)
+    while auto and max_crossing > 1 and len(groups) > SIDE_AUTO_MAX_N:  # too many layers at this crossing
         max_crossing //= 2
-        groups, hoisted = layer_groups(max_crossing)
+        groups, hoisted = grouping.groups(max_crossing)
     why = f"the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the tracer measures at that crossing"
     while True:
-        layers, costs = _build_costs(groups, hoisted)
+        layers, costs = _measured_costs(run, grouping, groups, hoisted, captured, loss_fn, static)
         # the exact side-tensor program is fast when its saved-bytes bound prunes and O(n^3 2^k) when
         # nothing does (a peak in the loss): which one, only the costs tell; a trial run says
         if not (auto and max_crossing > 1 and costs.side and not solves_within(costs, SIDE_AUTO_MAX_WORK)):
@@ -365,67 +342,53 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         why = (f"the exact side-tensor program over its {costs.n} layers at {max_crossing} would not finish "
                f"in seconds (more than {SIDE_AUTO_MAX_WORK:,} layer passes)")
         max_crossing //= 2
-        groups, hoisted = layer_groups(max_crossing)
+        groups, hoisted = grouping.groups(max_crossing)
     if max_crossing < MAX_CROSSING and auto:
         note = (f"cuts crossed by at most {max_crossing} tensor{'s' if max_crossing > 1 else ''}: with up to "
                 f"{MAX_CROSSING} {why} (trace(max_crossing={MAX_CROSSING}) forces them)")
         if note not in captured.notes:
             captured.notes.append(note)
-    graph = _nx_graph(gm, values, fake_gm)
-    constants = {n.name: v for n, v in values.items() if n.op != "output" and not tensor_leaves(v)}
-    read = {name for l in layers for name in (l.input_node, *l.static_inputs, *l.side_inputs)}
-    tensor_meta = {n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
-                   if n.name in read and isinstance(v, torch.Tensor)}
-    return TracedModel(gm, graph, layers, costs, captured.opaque, input_bytes, param_bytes, buffer_bytes,
-                       inputs.shapes, loss_fn, captured, tuple(n.name for n in hoisted), constants, tensor_meta,
-                       max_crossing=max_crossing)
+    return layers, costs, hoisted, max_crossing
 
 
-def _rg(layers: list[Layer], side: list, grad_root: list[int], grad_store: list[int]) -> list[int]:
-    """Each layer's ``rg``: measured alone, an output gradient its backward uses up before it first
-    reads a saved tensor is gone with its storage; in the model a side tensor's pending gradient that
-    views the same storage (an addition hands both one gradient, a concatenation slices of one) holds
-    it on, until that side tensor's producer runs its backward (``rgk``). A layer with no chain output
-    whose side output's gradient is its ``g`` (a slice of a later storage) leaves that gradient out
-    (``rgl``; the kernels add ``g``: 112 B over in the issue-19 fuzz, tests/test_fuzz.py)."""
-    held = {t.grad_view for t in side if t.grad_view is not None and t.grad_view >= 0}
-    out = []
-    for j, l in enumerate(layers):
-        shared = grad_root[j] in held and any(t.grad_view == grad_root[j] and t.producer < j for t in side)
-        if l.costs.rgl is not None and grad_store[j] > 0 and grad_root[j] != j:
-            out.append(l.costs.rgl)
-            continue
-        out.append(l.costs.rgk if shared and l.costs.rgk is not None else l.costs.rg)
+def _measured_costs(run: _Propagated, grouping: _Grouping, groups: list, hoisted: list, captured: Captured,
+                    loss_fn: Callable, static: _StaticBytes) -> tuple[list[Layer], ChainCosts]:
+    """``(layers, costs)`` of one grouping: the layers measured, the side tensors found."""
+    gm, values, out_node = run.fake_gm, run.values, grouping.out_node
+    readable = {n for n in grouping.static if n.op == "placeholder" or n in set(hoisted)}
+    crossings = find_crossings(groups, grouping.static, values, out_node)
+    model_output = out_node.args[0]
+    single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
+    layers, side, grad_store, grad_root, param_owner = measure_layers(
+        gm, run.fake_mode, groups, crossings, readable, values, grouping.placeholders, captured, loss_fn,
+        model_output, single_output)
+    inputs = [t for n in grouping.placeholders for t in tensor_leaves(values.get(n))]
+    existing = inputs + list(gm.parameters()) + list(gm.buffers())  # (a hoisted weight view is free)
+    kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix
+    # hoisted values the layers read live as side tensors made before the first layer (held while a layer
+    # that saves them, or a checkpoint's frame, does: not for the whole step); the rest (read by the
+    # model's output) stay static
+    early, kept = hoisted_side_tensors(kept, layers, values, out_node, existing)
+    kept_bytes = distinct_bytes(existing + [t for n in kept for t in tensor_leaves(values.get(n))]) - distinct_bytes(
+        existing)
+    parts = ChainParts(
+        side=list(side) + early, grad_store=grad_store, grad_root=grad_root,
+        param_grad_bytes=_param_grad_bytes(gm, len(layers), param_owner, run.trained),
+        static=static.param + static.buffer + static.input + run.cast_cache_bytes + kept_bytes,
+        prefix_peak=(prefix_peak(hoisted, values, existing) - kept_bytes - sum(t.bytes for t in early)
+                     if hoisted else None))
+    return layers, chain_costs(layers, parts)
+
+
+def _param_grad_bytes(gm: fx.GraphModule, n: int, param_owner: dict, trained: set[int] | None) -> list[int]:
+    """Gradient bytes of the parameters, charged to the last layer that uses them (tied weights once); a
+    frozen parameter (a LoRA base weight) gets none, and neither does one the loss does not reach (a head
+    whose output is returned beside the loss)."""
+    params = {id(p): p for p in gm.parameters() if p.requires_grad}
+    out = [0] * n
+    for pid, j in param_owner.items():
+        out[j] += storage_nbytes(params[pid]) if pid in params and (trained is None or pid in trained) else 0
     return out
-
-
-def _prefix_peak(hoisted: list[fx.Node], values: dict, existing: list) -> int:
-    """The most bytes the hoisted prefix holds at once beyond what exists before it (inputs,
-    parameters, buffers): each value's new storages from its node until its last reader in the
-    prefix (kept to the end when a layer or the output reads it)."""
-    before = {storage_identity(t) for t in existing}
-    order = {n: i for i, n in enumerate(hoisted)}
-    inside = set(hoisted)
-    last: dict[fx.Node, int] = {}
-    for n in hoisted:
-        last[n] = len(hoisted) if any(u not in inside for u in n.users) else max(
-            (order[u] for u in n.users), default=order[n])
-    live: dict[int, int] = {}  # storage -> bytes
-    owners: dict[int, set] = {}
-    peak = cur = 0
-    for i, n in enumerate(hoisted):
-        for t in tensor_leaves(values.get(n)):
-            k = storage_identity(t)
-            if k in before:
-                continue
-            owners.setdefault(k, set()).add(n)
-            if k not in live:
-                live[k] = storage_nbytes(t)
-                cur += live[k]
-        peak = max(peak, cur)
-        for k in [k for k, who in owners.items() if k in live and all(last[m] <= i for m in who)]:
-            cur -= live.pop(k)
-    return peak
 
 
 def _trained_parameters(out: Any, captured: Captured, loss_fn: Callable) -> set[int] | None:

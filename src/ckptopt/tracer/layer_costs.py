@@ -11,14 +11,14 @@ reach its outputs and how they are laid out.
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..torch_utils import check_module, is_fake, no_lasting_state, resolve_device
-from ..tracker import storage_bytes
+from ..storages import storage_bytes
 from .flops import forward_flops
 from .layer_figures import (BackwardTimelines, ForwardFigures, backward_figures, dying_gains, first_read_figures,
                             forward_figures, held_output_gain, release_splits, saved_set)

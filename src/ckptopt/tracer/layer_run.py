@@ -25,11 +25,12 @@ import torch.fx as fx
 from torch import nn
 
 from ..torch_utils import clone_layout, inputs_from_list
-from ..tracker import StorageTracker, real_storage, storage_bytes, storage_key
+from ..storages import real_storage, storage_bytes, storage_key, tensor_key
+from ..tracker import StorageTracker
 from .layer_grads import FreshInput, InjectGrad, Packed, PendingGrad, SharedGrad
 from .layer_record import Copy, Entry, FirstRead, InjectedGradients, LayerKeys, LayerRecord, Release
 
-__all__ = ["LayerRun", "GradientPlan", "record_layer", "list_input_copy", "reachable", "tensor_key"]
+__all__ = ["LayerRun", "GradientPlan", "record_layer", "list_input_copy", "reachable"]
 
 
 @dataclass
@@ -153,12 +154,6 @@ def reachable(outputs: list[torch.Tensor]) -> set:
         seen.add(fn)
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return seen
-
-
-def tensor_key(t: torch.Tensor, fake: bool) -> Any:
-    """The storage key of ``t``, or None for an empty (or storage-less) tensor."""
-    s = real_storage(t, fake)
-    return storage_key(s) if s is not None else None
 
 
 class _Recorder:

@@ -21,7 +21,8 @@ import torch.fx as fx
 
 from ..costs import SideTensor
 from ..errors import TraceError
-from ..torch_utils import storage_nbytes, tensor_leaves
+from ..storages import storage_identity, storage_nbytes
+from ..torch_utils import tensor_leaves
 from .capture import module_path
 from .cuts import WithLoss, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
@@ -89,7 +90,66 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     when the model returns one tensor), the side tensors (:class:`ckptopt.costs.SideTensor`), per
     layer the bytes of the storage its output gradient lives in and the layer whose output
     gradient that storage is, and which layer creates each parameter's gradient (by parameter
-    id: the last that uses it)."""
+    id: the last that uses it).
+
+    Layers are measured first in order, each with its input held as the layer before it has it.
+    Then, last layer first, a layer whose gradients the side tensors show to be arranged otherwise
+    (outputs whose gradients are one storage, a gradient handed out as a slice, pending or held
+    side gradients) is measured again with them so (:meth:`_Measurer.how`); and once more where the
+    side tensors that pass found make its output gradient outlive its backward, or no longer.
+    """
+    built, param_owner = _build_layers(fake_gm, groups, crossings, readable, values, placeholders, captured,
+                                       loss_fn, model_output, single_output)
+    # what is static memory already: parameters, buffers, the model's inputs (a side tensor that is a view of
+    # one, a buffer's causal mask narrowed to the sequence, adds no bytes of its own)
+    static = [*fake_gm.parameters(), *fake_gm.buffers(), *(t for n in placeholders for t in tensor_leaves(values.get(n)))]
+    found = _Found(saved={t: set() for t in range(len(crossings.nodes))}, grad={}, view={},
+                   grad_by={t: set() for t in range(len(crossings.nodes))},
+                   static_keys={storage_identity(t) for t in static})
+    m = _Measurer(crossings, values, param_owner, built, found)
+    with fake_mode, torch.enable_grad():
+        for j, b in enumerate(built):
+            cost = m.measure(j)
+            name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
+            io = crossings.io[j]
+            out_name = (b.output.name if isinstance(b.output, fx.Node) else
+                        io.main_out.name if io.main_out is not None and j < len(built) - 1 else "<output>")
+            x = [values[b.x_node]] if b.x_node is not None else []
+            m.layers.append(Layer(
+                index=j, name=name, nodes=tuple(n.name for n in b.members),
+                ops=tuple(op_label(fake_gm, n) for n in b.members),
+                input_node=b.x_node.name if b.x_node is not None else "", output_node=out_name, costs=cost,
+                flops=forward_flops(b.module, x, [values[n] for n in b.side_in + b.statics]),
+                static_inputs=tuple(s.name for s in b.statics), side_inputs=tuple(n.name for n in b.side_in),
+                side_outputs=tuple(n.name for n in b.side_out)))
+        if single_output:
+            m.layers.append(_loss_layer(m.layers, values[model_output], model_output, loss_fn))
+        m.update_sides()
+        again = False
+        for j in reversed(range(len(built))):  # last first: a gradient's layout comes from the layer after
+            args = m.how(j)
+            read_later = [crossings.consumers[t][-1] > j for t in crossings.io[j].side_in]
+            if (args["shared"] or any(args["held"]) or args["layout"] or args["pending"] != read_later
+                    or not args["out_grad"] or not all(args["side_out_grad"]) or args["hold_out"]):
+                m.measure_again(j, args)
+                again = True
+        if again:
+            m.update_sides()
+        # measured with it let go, a layer's release splits do not count an output gradient that outlives
+        # its backward, and the gh the model adds for it comes on top of them
+        for j in reversed(range(len(built))):
+            if _output_grad_outlives(j, m.side, m.grad_root) != m.held_out.get(j, False):
+                m.measure_again(j, m.how(j))
+                m.update_sides()
+    return m.layers, m.side, m.grad_store, m.grad_root, param_owner
+
+
+def _build_layers(fake_gm: fx.GraphModule, groups: list, crossings: Crossings, readable: set, values: dict,
+                  placeholders: list, captured: Any, loss_fn: Callable, model_output: Any,
+                  single_output: bool) -> tuple[list["_Built"], dict[int, int]]:
+    """Each group as a module over the shared parameters, taking its chain input, the side tensors it
+    reads and the static values it reads, returning its chain output and the side tensors it computes;
+    and which layer creates each parameter's gradient (the last that uses it)."""
     param_owner: dict[int, int] = {}
     built = []
     for j, members in enumerate(groups):
@@ -114,82 +174,63 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
         body = subgraph_module(fake_gm, members, ins, output, values)
         module = body if not (last and not single_output) else WithLoss(body, loss_fn, captured.rebuild)
         for p in module.parameters():
-            param_owner[id(p)] = j  # the last layer using a parameter creates its gradient
+            param_owner[id(p)] = j
         built.append(_Built(members, x_node, side_in, side_out, statics, output, module))
-    found = _Found({t: set() for t in range(len(crossings.nodes))}, {}, {},
-                   {t: set() for t in range(len(crossings.nodes))})
-    layers: list[Layer] = []
-    with fake_mode, torch.enable_grad():
-        for j, b in enumerate(built):
-            m = _measure(j, b, crossings, layers[-1].costs if layers else None, values, param_owner, len(built),
-                         found=found)
-            found.note(j, b, crossings.io[j], m)
-            name = _layer_name(fake_gm, b.members) if captured.front_end == "fx" else _path_name(b.members)
-            io = crossings.io[j]
-            out_name = (b.output.name if isinstance(b.output, fx.Node) else
-                        io.main_out.name if io.main_out is not None and j < len(built) - 1 else "<output>")
-            x = [values[b.x_node]] if b.x_node is not None else []
-            layers.append(Layer(j, name, tuple(n.name for n in b.members),
-                                tuple(op_label(fake_gm, n) for n in b.members),
-                                b.x_node.name if b.x_node is not None else "", out_name, m,
-                                forward_flops(b.module, x, [values[n] for n in b.side_in + b.statics]),
-                                tuple(s.name for s in b.statics), tuple(n.name for n in b.side_in),
-                                tuple(n.name for n in b.side_out)))
-        if single_output:
-            y = values[model_output]
-            loss_layer = WithLoss(None, loss_fn)
-            m = measure_layer(loss_layer, y, keep_input=bool(not layers or layers[-1].costs.sout),
-                              static_input=bool(layers and layers[-1].costs.out_static))
-            layers.append(Layer(len(layers), "loss", ("<loss>",), ("loss",), model_output.name, "<loss>", m,
-                                forward_flops(loss_layer, [y])))
-        grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
-        # second pass: a layer whose outputs' gradients are one storage (an addition or a
-        # concatenation after it hands each a view of the same gradient) is measured again with
-        # that storage shared, so that its figures count it once
-        again = False
-        held_out: dict[int, bool] = {}  # (whether each layer was measured with its output gradient held)
-        # last layer first: a layer's output gradient is laid out as the next layer's backward hands
-        # it out, which depends on how that layer's own output gradient is laid out
-        def how(j: int) -> dict:
-            """The keyword arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and
-            held, from the side tensors as they stand."""
-            shared = _shared_output_grads(j, crossings.io[j], side, grad_store, grad_root)
-            # a side input is pending when a later consumer's backward adds to its gradient, not when
-            # one only reads it (a dead branch, a size): then this layer's contribution is the first,
-            # handed out as its backward makes it (a concatenation's slice), not summed out of place
-            pending = [any(u > j for u in found.grad_by[t]) for t in crossings.io[j].side_in]
-            # a side output no later layer hands a gradient (read only by dead ops) gets none
-            side_out_grad = tuple(bool(side[t].grad_bytes) for t in crossings.io[j].side_out)
-            return dict(shared=shared, held=_held_pending(j, crossings.io[j], side),
-                        layout=_out_grad_layout(j, layers, grad_store), pending=pending,
-                        out_grad=_chain_output_gets_a_gradient(j, built, layers, values), side_out_grad=side_out_grad,
-                        hold_out=_output_grad_outlives(j, side, grad_root),
-                        side_layout=_lone_side_grad_layout(j, crossings, layers, side, shared))
+    return built, param_owner
 
-        def measure_again(j: int, args: dict) -> None:
-            m = _measure(j, built[j], crossings, layers[j - 1].costs if j else None, values, param_owner, len(built),
-                         found=found, **args)
-            found.note(j, built[j], crossings.io[j], m)  # (the release splits of the side tensors it saves, as b)
-            layers[j] = dataclasses.replace(layers[j], costs=m)
-            held_out[j] = args["hold_out"]
 
-        for j in reversed(range(len(built))):
-            args = how(j)
-            read_later = [crossings.consumers[t][-1] > j for t in crossings.io[j].side_in]
-            if (args["shared"] or any(args["held"]) or args["layout"] or args["pending"] != read_later
-                    or not args["out_grad"] or not all(args["side_out_grad"]) or args["hold_out"]):
-                measure_again(j, args)
-                again = True
-        if again:
-            grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
-        # ... and once more where the side tensors that pass found make a layer's output gradient outlive
-        # its backward (or no longer): measured with it let go, its release splits did not count it, and
-        # the gh the model adds for it came on top (a random model 3,072 B over in a layer's term)
-        for j in reversed(range(len(built))):
-            if _output_grad_outlives(j, side, grad_root) != held_out.get(j, False):
-                measure_again(j, how(j))
-                grad_store, grad_root, side = _storages_and_sides(layers, crossings, values, found)
-    return layers, side, grad_store, grad_root, param_owner
+def _loss_layer(layers: list[Layer], y: Any, model_output: fx.Node, loss_fn: Callable) -> Layer:
+    """The loss as a layer of its own, after a model that returns one tensor."""
+    loss = WithLoss(None, loss_fn)
+    m = measure_layer(loss, y, keep_input=bool(not layers or layers[-1].costs.sout),
+                      static_input=bool(layers and layers[-1].costs.out_static))
+    return Layer(index=len(layers), name="loss", nodes=("<loss>",), ops=("loss",), input_node=model_output.name,
+                 output_node="<loss>", costs=m, flops=forward_flops(loss, [y]))
+
+
+class _Measurer:
+    """The layers as measured so far, and what their measurements tell about the side tensors."""
+
+    def __init__(self, crossings: Crossings, values: dict, param_owner: dict, built: list, found: "_Found"):
+        self.crossings, self.values, self.param_owner, self.built, self.found = crossings, values, param_owner, built, found
+        self.layers: list[Layer] = []
+        self.held_out: dict[int, bool] = {}  # whether each layer was measured with its output gradient held
+        self.side: list[SideTensor] = []
+        self.grad_store: list[int] = []
+        self.grad_root: list[int] = []
+
+    def measure(self, j: int, **args: Any) -> LayerMeasurement:
+        """Measure layer ``j`` (its input held as layer ``j - 1`` has it) and note what it tells."""
+        previous = self.layers[j - 1].costs if j else None
+        m = _measure(j, self.built[j], self.crossings, previous, self.values, self.param_owner, len(self.built),
+                     found=self.found, **args)
+        self.found.note(j, self.built[j], self.crossings.io[j], m)  # (as it goes: the release splits as b)
+        return m
+
+    def measure_again(self, j: int, args: dict) -> None:
+        self.layers[j] = dataclasses.replace(self.layers[j], costs=self.measure(j, **args))
+        self.held_out[j] = args["hold_out"]
+
+    def update_sides(self) -> None:
+        self.grad_store, self.grad_root, self.side = _storages_and_sides(self.layers, self.crossings, self.values,
+                                                                         self.found)
+
+    def how(self, j: int) -> dict:
+        """The keyword arguments of ``_measure`` that say how layer ``j``'s gradients are laid out and held,
+        from the side tensors as they stand."""
+        io, side = self.crossings.io[j], self.side
+        shared = _shared_output_grads(j, io, side, self.grad_store, self.grad_root)
+        # a side input is pending when a later consumer's backward adds to its gradient, not when one only
+        # reads it (a dead branch, a size): then this layer's contribution is the first, handed out as its
+        # backward makes it (a concatenation's slice), not summed out of place
+        pending = [any(u > j for u in self.found.grad_by[t]) for t in io.side_in]
+        # a side output no later layer hands a gradient (read only by dead ops) gets none
+        side_out_grad = tuple(bool(side[t].grad_bytes) for t in io.side_out)
+        return dict(shared=shared, held=_held_pending(j, io, side),
+                    layout=_out_grad_layout(j, self.layers, self.grad_store), pending=pending,
+                    out_grad=_chain_output_gets_a_gradient(j, self.built, self.layers, self.values),
+                    side_out_grad=side_out_grad, hold_out=_output_grad_outlives(j, side, self.grad_root),
+                    side_layout=_lone_side_grad_layout(j, self.crossings, self.layers, side, shared))
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:
@@ -259,6 +300,7 @@ class _Found:
     grad: dict[int, int]  # side tensor -> bytes of its gradient's storage
     view: dict[int, tuple[str, int]]  # side tensor -> ("in"/"out", layer) whose gradient storage it views
     grad_by: dict[int, set[int]]  # side tensor -> the consumers whose backward adds to its gradient
+    static_keys: set = dataclasses.field(default_factory=set)  # the storages of the static bytes
     release: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
     # (side tensor, saving layer) -> that layer's backward peak (as b) before / from its release
     release_rec: dict[tuple[int, int], tuple[int, int] | None] = dataclasses.field(default_factory=dict)
@@ -329,7 +371,9 @@ class _Found:
         side = []
         for t, node in enumerate(crossings.nodes):
             v = values[node]
-            size = storage_nbytes(v)
+            # a view of static memory (a buffer, a parameter, an input) holds no storage of its own: the
+            # static bytes count it, as a chain output's a is 0 there
+            size = storage_nbytes(v)  # TEMP
             own = v.numel() * v.element_size()  # its gradient's size (a view's: less than its storage)
             grad = self.grad.get(t, own) if v.requires_grad else 0
             view = -1

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..torch_utils import storage_identity, storage_nbytes, tensor_leaves
+from ..storages import storage_identity, storage_nbytes
+from ..torch_utils import tensor_leaves
 
 __all__ = ["LayerIO", "Crossings", "find_crossings", "merge_aliased", "merge_outputless"]
 

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...torch_utils import storage_identity
+from ...storages import storage_identity
 
 __all__ = ["opaque_functions", "is_opaque_function", "functions_note"]
 
