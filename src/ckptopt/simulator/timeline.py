@@ -21,7 +21,7 @@ No torch import: like the simulator, this module runs on plain integers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..costs import ChainCosts, KernelArrays
@@ -147,65 +147,74 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
     [16, 6, 1]
     """
     plan, stored = checked_plan(costs, checkpoints, stored, "simulate_timeline")
-    kept = set(stored)
-    K = costs.kernel_arrays
-    full = not costs.is_additive
-    segs = segment_bounds(costs.n, plan)
-    m = len(segs)
-    held = []
-    kept_in = []  # the previous segment is stored and keeps this one's input
-    own = []  # the checkpoint each segment holds itself
-    adds = []  # per segment: what side tensors add to each forward, recompute, backward term
-    forward: list[TimelineEvent] = []
-    total = 0
-    prev_keeps = False
-    mask = 0
-    if costs.has_side:
-        SD = costs.side_arrays
-        sc = side_tensors.side_scratch(costs.n, len(costs.side))
-        fadd, radd, badd = sc.fadd, sc.radd, sc.badd
-    for k, (l, r) in enumerate(segs):
-        unwrapped = k == m - 1 or l in kept
-        c = 0 if prev_keeps else int(kernels.held_checkpoint(l, r, unwrapped, full, K))
-        total += c
-        held.append(total)
-        kept_in.append(prev_keeps)
-        own.append(c)
-        side_held = 0
-        if costs.has_side:
-            side_held, mask = side_tensors.side_terms(l, r, unwrapped, prev_keeps, mask, K, SD, sc)
-            adds.append((fadd.copy(), radd.copy(), badd.copy()))
-        else:
-            adds.append(None)
-        if full:
-            live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
-            base = costs.static + total
-            forward += [TimelineEvent(ph, i, k, base + v + _add(adds[k], 0, i))
-                        for ph, i, v in _forward(l, r, unwrapped, K, live_in,
-                                                 unwrapped and k > 0 and not prev_keeps and not K.sin[l])]
-        total += int(side_held)
-        prev_keeps = False
-        if unwrapped and k < m - 1:  # a stored segment keeps what its layers save for every later one
-            total += int(K.P[r] - K.P[l] + K.keep[r])
-            prev_keeps = bool(K.sout[r])
-    backward: list[TimelineEvent] = []
-    for k in range(m - 1, -1, -1):
-        l, r = segs[k]
-        base = costs.static + held[k]
-        if full and k < m - 1 and l not in kept:  # trailing layers that save nothing, the recomputation, the rest
+    segs = _Segments.of(costs, plan, set(stored))
+    return segs.forward + [e for k in range(len(segs.bounds) - 1, -1, -1) for e in segs.backward(k)]
+
+
+@dataclass
+class _Segments:
+    """A plan's segments as the timeline walks them: per segment its bounds, the bytes earlier segments
+    hold when it runs, whether the previous (stored) one keeps its input, the checkpoint it holds
+    itself, and what side tensors add to its terms; and the forward events."""
+
+    costs: ChainCosts
+    kept: set
+    bounds: list = field(default_factory=list)
+    held: list = field(default_factory=list)
+    kept_in: list = field(default_factory=list)
+    own: list = field(default_factory=list)
+    adds: list = field(default_factory=list)  # per segment: (forward, recompute, backward) side addends, or None
+    forward: list = field(default_factory=list)
+
+    @classmethod
+    def of(cls, costs: ChainCosts, plan: tuple, kept: set) -> "_Segments":
+        segs = cls(costs, kept, segment_bounds(costs.n, plan))
+        K, full, m = costs.kernel_arrays, not costs.is_additive, len(segs.bounds)
+        total, prev_keeps, mask = 0, False, 0
+        sc = side_tensors.side_scratch(costs.n, len(costs.side)) if costs.has_side else None
+        for k, (l, r) in enumerate(segs.bounds):
+            unwrapped = k == m - 1 or l in kept
+            c = 0 if prev_keeps else int(kernels.held_checkpoint(l, r, unwrapped, full, K))
+            total += c
+            segs.held.append(total)
+            segs.kept_in.append(prev_keeps)
+            segs.own.append(c)
+            side_held = 0
+            if sc is not None:
+                side_held, mask = side_tensors.side_terms(l, r, unwrapped, prev_keeps, mask, K, costs.side_arrays, sc)
+                segs.adds.append((sc.fadd.copy(), sc.radd.copy(), sc.badd.copy()))
+            else:
+                segs.adds.append(None)
+            if full:
+                live_in = int(K.ck[l]) - c if k > 0 and not prev_keeps else 0
+                base = costs.static + total
+                segs.forward += [TimelineEvent(ph, i, k, base + v + _add(segs.adds[k], 0, i))
+                                 for ph, i, v in _forward(l, r, unwrapped, K, live_in,
+                                                          unwrapped and k > 0 and not prev_keeps and not K.sin[l])]
+            total += int(side_held)
+            prev_keeps = False
+            if unwrapped and k < m - 1:  # a stored segment keeps what its layers save for every later one
+                total += int(K.P[r] - K.P[l] + K.keep[r])
+                prev_keeps = bool(K.sout[r])
+        return segs
+
+    def backward(self, k: int) -> list[TimelineEvent]:
+        """Segment ``k``'s backward events: a checkpointed one's trailing layers that save nothing, its last
+        saving layer's backward up to its first read of a saved tensor (with layer l's recomputation
+        addends), the recomputation that read triggers, then the rest of its backward."""
+        K, l, r = self.costs.kernel_arrays, *self.bounds[k]
+        base = self.costs.static + self.held[k]
+        if not self.costs.is_additive and k < len(self.bounds) - 1 and l not in self.kept:
             trigger, end, partial = (int(x) for x in kernels.recompute_span(l, r, K))
-            frame = l > 0 and not kept_in[k]
-            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=own[k], recomputed=True)
-            # the last saving layer's backward up to its first read of a saved tensor (with layer l's
-            # recomputation addends), the recomputation that read triggers, then the rest of it
+            frame = l > 0 and not self.kept_in[k]
+            trail = _backward(l, r, K, after=trigger, held_input=frame, drop=self.own[k], recomputed=True)
             first = [("backward", trigger, int(K.rbp[r]), (1, l))] if trigger >= l else []
             events = trail[:r - trigger] + first + _recompute(l, r, end, bool(partial), K) + trail[r - trigger:]
         else:
-            events = _backward(l, r, K, free_input=l > 0 and not kept_in[k])
-        backward += [TimelineEvent(e[0], e[1], k, base + e[2] + _add(adds[k], *(e[3] if len(e) > 3 else
-                                                                              (1 if e[0] == "recompute" else 2, e[1]))))
-                     for e in events]
-    return forward + backward
+            events = _backward(l, r, K, free_input=l > 0 and not self.kept_in[k])
+        return [TimelineEvent(e[0], e[1], k, base + e[2] + _add(self.adds[k], *(e[3] if len(e) > 3 else
+                                                                                 (1 if e[0] == "recompute" else 2, e[1]))))
+                for e in events]
 
 
 def _add(terms, phase: int, i: int) -> int:
