@@ -612,3 +612,23 @@ def test_a_layers_forward_in_a_checkpoint_keeps_none_of_its_saved_tensors():
     assert m.fc < m.f
     assert m.f == _forward_peak_above_start(layer, x, lambda mod, t: mod(t))
     assert m.fc == _forward_peak_above_start(layer, x, lambda mod, t: checkpoint(mod, t, use_reentrant=False))
+
+
+def test_a_side_tensor_that_is_a_view_of_a_buffer_adds_no_bytes():
+    """The zoo GPT narrows its causal-mask buffer to the sequence inside a layer (its length comes from
+    the input's size, so the view is not placed with the statics); a cut between the narrow and its
+    reader makes it a side tensor. Its storage is the buffer's, in the static bytes already: a
+    checkpoint that holds it adds nothing, and every plan is exact."""
+    torch.manual_seed(0)
+    model, x = zoo.get("gpt", batch_size=1, input_size=8, depth=2, width=8, heads=2, seq_len=8, vocab=16)
+    model.train()
+    tm = trace(model, x)
+    views = [t for t in tm.costs.side if t.name.startswith("narrow")]
+    assert views and all(t.bytes == 0 for t in views)
+    for name in ("sqrt", "dp2", "every"):
+        plan = solve(tm.costs, name)
+        opt = apply_plan(model, tm, plan)
+        try:
+            assert 0 <= measure_peak(opt, x) - plan.peak_bytes <= 8, name  # (the loss and its gradient)
+        finally:
+            opt.remove_hooks()

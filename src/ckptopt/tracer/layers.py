@@ -373,7 +373,7 @@ class _Found:
             v = values[node]
             # a view of static memory (a buffer, a parameter, an input) holds no storage of its own: the
             # static bytes count it, as a chain output's a is 0 there
-            size = storage_nbytes(v)  # TEMP
+            size = 0 if storage_identity(v) in self.static_keys else storage_nbytes(v)
             own = v.numel() * v.element_size()  # its gradient's size (a view's: less than its storage)
             grad = self.grad.get(t, own) if v.requires_grad else 0
             view = -1
