@@ -282,12 +282,9 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
     more than this (a segment scored for one mask costs its length; for every mask at once, its
     length times the open tensors plus two, plus one per mask).
 
-    The states of one layer (every mask, a flag) grow their segments together: each segment is
-    scored for all masks still growing at once (:func:`_segment_masks`), or mask by mask
-    (:func:`_segment`) once that is cheaper; a mask stops when the saved-bytes bound passes its best.
+    The states of one layer (every mask, a flag) grow their segments together (:func:`_best_segments`).
     """
     total = off[n + 1]
-    work = 0
     V = np.full(total, BIG, dtype=np.int64)
     choice_r = np.full(total, -1, dtype=np.int64)
     choice_k = np.zeros(total, dtype=np.int64)
@@ -295,73 +292,15 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
     best = np.empty(nsmax, dtype=np.int64)
     br = np.empty(nsmax, dtype=np.int64)
     bk = np.empty(nsmax, dtype=np.int64)
-    active = np.zeros(nsmax, dtype=np.bool_)
-    Dm, Hm, S2m = ms.D, ms.held, ms.S2
+    work = 0
     for l in range(n - 1, -1, -1):
-        nb = SD.bptr[l + 1] - SD.bptr[l]
-        ns = 1 << nb
+        ns = 1 << (SD.bptr[l + 1] - SD.bptr[l])
         for flag in range(2):
             if flag and (l == 0 or not allow_stored):
                 continue
-            nact = 0
-            for S in range(ns):
-                best[S] = BIG
-                br[S] = -1
-                bk[S] = 0
-                active[S] = (S & unheld[l]) == 0  # (unreachable: V stays BIG)
-                if active[S]:
-                    nact += 1
-            floor = NEG
-            for r in range(l, n):
-                fl = saved_floor(l, r, K)
-                if fl > floor:
-                    floor = fl
-                for S in range(ns):
-                    if active[S] and floor > best[S]:  # no longer segment can do better (ties: the longer)
-                        active[S] = False
-                        nact -= 1
-                if nact == 0:
-                    break
-                w = r - l + 1
-                # all masks at once ((nb + 1) side passes and one per mask), or the few left one by one
-                masks = (nb + 2) * w + ns < nact * w
-                kinds = 1 if r == n - 1 or not allow_stored else 2
-                work += kinds * ((nb + 2) * w + ns) if masks else w * nact
-                if max_work > 0 and work > max_work:
-                    return np.int64(NEG), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-                nb2 = SD.bptr[r + 2] - SD.bptr[r + 1] if r < n - 1 else 0
-                for kind in range(3):
-                    if (kind == 2) != (r == n - 1):
-                        continue
-                    if kind == 1 and not allow_stored:
-                        continue
-                    c = 0
-                    if masks:
-                        c = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
-                    f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
-                    for S in range(ns):
-                        if not active[S]:
-                            continue
-                        if masks:
-                            D = Dm[S]
-                            held = Hm[S]
-                            S2 = S2m[S]
-                        else:
-                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
-                        if kind == 2:
-                            val = c + D
-                        else:
-                            rest = V[off[r + 1] + f2 * (1 << nb2) + S2]
-                            if rest >= BIG:
-                                continue
-                            rest += held
-                            if kind == 1:
-                                rest += K.P[r] - K.P[l] + K.keep[r]
-                            val = c + (D if D > rest else rest)
-                        if val <= best[S]:  # ties: the longer segment
-                            best[S] = val
-                            br[S] = r
-                            bk[S] = kind
+            work = _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk)
+            if work < 0:
+                return np.int64(NEG), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
             for S in range(ns):
                 if S & unheld[l]:
                     continue
@@ -369,7 +308,86 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
                 V[st] = best[S]
                 choice_r[st] = br[S]
                 choice_k[st] = bk[S]
-    # walk the choices from (0, 0, 0)
+    starts, stored = _plan_of(n, K, SD, off, choice_r, choice_k, sc)
+    return V[off[0]], starts, stored
+
+
+@njit(cache=True)
+def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk):
+    """For every mask ``S`` of layer ``l``'s states with ``flag``: the best value, last layer and kind of a
+    segment starting there (``best``, ``br``, ``bk``), given the values ``V`` of the later states. The
+    masks grow their segments together: each segment is scored for all masks still growing at once
+    (:func:`_segment_masks`), or mask by mask (:func:`_segment`) once that is cheaper; a mask stops when the
+    saved-bytes bound passes its best (ties: the longer segment). Returns the work spent so far, -1 past
+    ``max_work``."""
+    nb = SD.bptr[l + 1] - SD.bptr[l]
+    ns = 1 << nb
+    active = np.zeros(ns, dtype=np.bool_)
+    nact = 0
+    for S in range(ns):
+        best[S] = BIG
+        br[S] = -1
+        bk[S] = 0
+        active[S] = (S & unheld[l]) == 0  # (unreachable: V stays BIG)
+        if active[S]:
+            nact += 1
+    floor = NEG
+    for r in range(l, n):
+        fl = saved_floor(l, r, K)
+        if fl > floor:
+            floor = fl
+        for S in range(ns):
+            if active[S] and floor > best[S]:  # no longer segment can do better
+                active[S] = False
+                nact -= 1
+        if nact == 0:
+            break
+        w = r - l + 1
+        masks = (nb + 2) * w + ns < nact * w  # (all masks at once, or the few left one by one)
+        kinds = 1 if r == n - 1 or not allow_stored else 2
+        work += kinds * ((nb + 2) * w + ns) if masks else w * nact
+        if max_work > 0 and work > max_work:
+            return -1
+        for kind in range(3):
+            if not _takes(kind, r, n, allow_stored):
+                continue
+            c = _segment_masks(l, r, kind, flag, K, SD, sc, ms) if masks else 0
+            for S in range(ns):
+                if not active[S]:
+                    continue
+                if masks:
+                    D, held, S2 = ms.D[S], ms.held[S], ms.S2[S]
+                else:
+                    c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
+                if kind == 2:
+                    val = c + D
+                else:
+                    rest = V[_next_state(off, SD, K, r, kind, S2)]
+                    if rest >= BIG:
+                        continue
+                    rest += held
+                    if kind == 1:
+                        rest += K.P[r] - K.P[l] + K.keep[r]
+                    val = c + (D if D > rest else rest)
+                if val <= best[S]:  # ties: the longer segment
+                    best[S] = val
+                    br[S] = r
+                    bk[S] = kind
+    return work
+
+
+@njit(cache=True)
+def _takes(kind, r, n, allow_stored):
+    """Whether a segment ending at ``r`` may be of ``kind``: the last (2) exactly when it ends at ``n - 1``,
+    stored (1) only where stored segments are allowed."""
+    if (kind == 2) != (r == n - 1):
+        return False
+    return kind != 1 or allow_stored
+
+
+@njit(cache=True)
+def _plan_of(n, K, SD, off, choice_r, choice_k, sc):
+    """The plan the choices make from state ``(0, 0, 0)``: ``(starts after 0, stored starts)``."""
     starts = np.empty(n, dtype=np.int64)
     stored = np.empty(n, dtype=np.int64)
     ns = 0
@@ -392,7 +410,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
         flag = 1 if kind == 1 and K.sout[r] != 0 else 0
         S = S2
         l = r + 1
-    return V[off[0]], starts[:ns], stored[:nst]
+    return starts[:ns], stored[:nst]
 
 
 @njit(cache=True)
@@ -438,14 +456,12 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
                 work += kinds * ((nb + 2) * w + ns) if masks else kinds * w * nreach
                 if max_work > 0 and work > max_work:
                     return H, np.int64(-1)
-                nb2 = SD.bptr[r + 2] - SD.bptr[r + 1]
                 for kind in range(2):
                     if kind == 1 and not allow_stored:
                         continue
                     c = 0
                     if masks:
                         c = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
-                    f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
                     kept = K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0
                     for S in range(ns):
                         h = H[off[l] + flag * ns + S]
@@ -459,7 +475,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
                             c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
                         if h + c + D > cap:
                             continue
-                        nxt = off[r + 1] + f2 * (1 << nb2) + S2
+                        nxt = _next_state(off, SD, K, r, kind, S2)
                         h2 = h + c + held + kept
                         if h2 < H[nxt]:
                             H[nxt] = h2
@@ -487,11 +503,9 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
     first = np.zeros(total, dtype=np.int64)
     count = np.zeros(total, dtype=np.int64)
     cand = points(64)  # the candidates of one state
-    e0 = np.empty(0, dtype=np.int64)
     Hmin, work = min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms)
     if work < 0:
-        return e0, e0, e0, np.zeros(1, dtype=np.int64), e0, np.zeros(1, dtype=np.int64), False
-    Dm, Hm, S2m = ms.D, ms.held, ms.S2
+        return _no_front()
     floors = np.empty(n, dtype=np.int64)
     for l in range(n - 1, -1, -1):
         nb = SD.bptr[l + 1] - SD.bptr[l]
@@ -530,62 +544,17 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                 st = off[l] + flag * ns + S
                 first[st] = used
                 if masks and S % block == 0:  # the next block of masks: every segment scored for them
-                    any_reached = False
-                    for t in range(block):
-                        if S + t < ns and Hmin[st + t] < BIG:
-                            any_reached = True
-                    if not any_reached:
+                    if not _score_block(l, flag, S, ns, block, rlast, n, allow_stored, Hmin, st, K, SD, sc, ms, cb, Db,
+                                        Hb, Sb):
                         continue  # (no state of the block is reached: all BIG)
-                    for r in range(l, rlast + 1):
-                        for kind in range(3):
-                            if (kind == 2) != (r == n - 1) or (kind == 1 and not allow_stored):
-                                continue
-                            q = 3 * (r - l) + kind
-                            cb[q] = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
-                            for t in range(block):
-                                if S + t < ns:
-                                    Db[q, t] = Dm[S + t]
-                                    Hb[q, t] = Hm[S + t]
-                                    Sb[q, t] = S2m[S + t]
                 if S & unheld[l] or Hmin[st] >= BIG:
                     continue  # (unreachable, or only past the cap: no points)
                 limit = cap - Hmin[st]  # a suffix point above it is in no plan within the cap
-                m = 0
-                for r in range(l, rlast + 1):
-                    if floors[r - l] > limit:
-                        break
-                    for kind in range(3):
-                        if (kind == 2) != (r == n - 1):
-                            continue
-                        if kind == 1 and not allow_stored:
-                            continue
-                        if masks:
-                            q = 3 * (r - l) + kind
-                            c = cb[q]
-                            D = Db[q, S % block]
-                            held = Hb[q, S % block]
-                            S2 = Sb[q, S % block]
-                        else:
-                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
-                        work += r - l + 1
-                        if c + D > limit:
-                            continue
-                        if kind == 2:
-                            cand = grow_points(cand, m + 2)
-                            add_point(cand, m, c + D, 0, r, -1, 2)
-                            m += 1
-                            continue
-                        nxt = _next_state(off, SD, K, r, kind, S2)
-                        extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
-                        rc = 0
-                        if kind == 0:
-                            e = recompute_span(l, r, K)[1]
-                            rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
-                        cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
-                                                    limit)
-                        if max_work > 0 and work + m > max_work:
-                            e0 = np.empty(0, dtype=np.int64)
-                            return e0, e0, e0, np.zeros(1, dtype=np.int64), e0, np.zeros(1, dtype=np.int64), False
+                cand, m, work = _state_candidates(l, flag, S, n, rlast, limit, floors, masks, block, allow_stored,
+                                                  max_work, K, SD, off, Cpre, sc, cb, Db, Hb, Sb, pool, first, count,
+                                                  cand, work)
+                if m < 0:  # (past max_work)
+                    return _no_front()
                 if m == 0:
                     count[st] = 0
                     continue
@@ -601,6 +570,78 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                 count[st] = used - first[st]
     peaks, recs, flat, offsets, sflat, soffsets = front_plans(pool, first[off[0]], count[off[0]], n)
     return peaks, recs, flat, offsets, sflat, soffsets, True
+
+
+@njit(cache=True)
+def _no_front():
+    """What :func:`pareto_side` returns when it gives up (``complete`` False)."""
+    e0 = np.empty(0, dtype=np.int64)
+    return e0, e0, e0, np.zeros(1, dtype=np.int64), e0, np.zeros(1, dtype=np.int64), False
+
+
+@njit(cache=True)
+def _score_block(l, flag, S, ns, block, rlast, n, allow_stored, Hmin, st, K, SD, sc, ms, cb, Db, Hb, Sb):
+    """Score every segment ``[l, r]`` (``r <= rlast``) for the block of masks from ``S`` (state ``st``) at once
+    (:func:`_segment_masks`), into ``cb`` (the checkpoint) and ``Db``, ``Hb``, ``Sb`` (peak, held bytes, next
+    mask per mask of the block), row ``3 (r - l) + kind``. False, scoring nothing, when no state of the
+    block is reached within the cap."""
+    reached = False
+    for t in range(block):
+        if S + t < ns and Hmin[st + t] < BIG:
+            reached = True
+    if not reached:
+        return False
+    for r in range(l, rlast + 1):
+        for kind in range(3):
+            if not _takes(kind, r, n, allow_stored):
+                continue
+            q = 3 * (r - l) + kind
+            cb[q] = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
+            for t in range(block):
+                if S + t < ns:
+                    Db[q, t] = ms.D[S + t]
+                    Hb[q, t] = ms.held[S + t]
+                    Sb[q, t] = ms.S2[S + t]
+    return True
+
+
+@njit(cache=True)
+def _state_candidates(l, flag, S, n, rlast, limit, floors, masks, block, allow_stored, max_work, K, SD, off, Cpre, sc,
+                      cb, Db, Hb, Sb, pool, first, count, cand, work):
+    """The candidate points of state ``(l, flag, S)``: per segment ``[l, r]`` it may take (scored in the block
+    buffers, or here mask by mask) within ``limit``, the suffix points of the state after it
+    (:func:`~ckptopt.solvers.fronts.add_suffix_points`). Returns ``(cand, m, work)``; ``m`` is -1 once the
+    work passes ``max_work``."""
+    m = 0
+    for r in range(l, rlast + 1):
+        if floors[r - l] > limit:
+            break
+        for kind in range(3):
+            if not _takes(kind, r, n, allow_stored):
+                continue
+            if masks:
+                q = 3 * (r - l) + kind
+                c, D, held, S2 = cb[q], Db[q, S % block], Hb[q, S % block], Sb[q, S % block]
+            else:
+                c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
+            work += r - l + 1
+            if c + D > limit:
+                continue
+            if kind == 2:
+                cand = grow_points(cand, m + 2)
+                add_point(cand, m, c + D, 0, r, -1, 2)
+                m += 1
+                continue
+            nxt = _next_state(off, SD, K, r, kind, S2)
+            extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
+            rc = 0
+            if kind == 0:
+                e = recompute_span(l, r, K)[1]
+                rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
+            cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind, limit)
+            if max_work > 0 and work + m > max_work:
+                return cand, -1, work
+    return cand, m, work
 
 
 @njit(cache=True)
