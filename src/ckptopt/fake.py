@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode, unset_fake_temporarily)
 from torch.utils import _pytree as pytree
 
 from .torch_utils import MODULE_INTERNALS, ATOMS, Inputs, base_container, is_fake, tensor_leaves
@@ -161,12 +162,14 @@ def fake_mode():
     few meta functions carry the checks of one device's kernel (CUDA's) where
     another device runs a more permissive one: ``aten._grouped_mm`` (the MoE
     experts of transformers) demands bfloat16 in its meta function while the CPU
-    kernel takes float32 and float16 too. A fake run of a float32 model on CPU
-    then failed where the real run succeeds. For the ops in
+    kernel takes float32 and float16 too, so a fake run of a float32 model on CPU
+    would fail where the real run succeeds. For the ops in
     :data:`DEVICE_FAKE_IMPLS` this mode runs the real device's checks and makes
-    the output itself; every other op runs as in ``FakeTensorMode``.
+    the output itself; every other op runs as in ``FakeTensorMode``. It also keeps
+    the real value ("shadow") of what the example inputs alone determine, so that
+    ops of data-dependent shape on such values run.
     """
-    return _fake_mode_class()()
+    return DeviceFakeTensorMode()
 
 
 # Shadows: the real values of what the example inputs alone determine. Fake tensors carry shapes and
@@ -180,181 +183,208 @@ _INDEX_OPS = ("aten::index.Tensor", "aten::index_put", "aten::index_put_", "aten
               "aten::_unsafe_index_put", "aten::_unsafe_index.Tensor")
 
 
-@functools.lru_cache(maxsize=None)
-def _fake_mode_class():
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                               FakeTensor, FakeTensorMode, unset_fake_temporarily)
-    data_dependent = (DynamicOutputShapeException, DataDependentOutputException)
+_DATA_DEPENDENT = (DynamicOutputShapeException, DataDependentOutputException)
 
-    def _reads_real(args, kwargs) -> bool:
-        """Whether an op's arguments hold a tensor that is not fake."""
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                if not isinstance(a, FakeTensor):
-                    return True
-            elif isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) and not isinstance(b, FakeTensor)
-                                                       for b in a):
+
+def _reads_real(args: tuple, kwargs: dict) -> bool:
+    """Whether an op's arguments hold a tensor that is not fake."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            if not isinstance(a, FakeTensor):
                 return True
-        return False
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) and not isinstance(b, FakeTensor)
+                                                   for b in a):
+            return True
+    return False
 
-    class DeviceFakeTensorMode(FakeTensorMode):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.shadows = _Shadows()  # fake tensor -> its real value
-            self._captured_fakes: dict[int, tuple] = {}  # id of a real tensor read by an op -> (weak ref, fake)
-            self._views: dict[int, list] = {}  # fake storage id -> weak references to the shadowed views of it
 
-        def _keep(self, fake, real) -> None:
-            import weakref
+class DeviceFakeTensorMode(FakeTensorMode):
+    """The mode of :func:`fake_mode`: ``FakeTensorMode`` with the real device's checks for the ops
+    of :data:`DEVICE_FAKE_IMPLS`, and shadows of what the example inputs alone determine."""
 
-            self.shadows[fake] = real
-            self._views.setdefault(id(fake.untyped_storage()), []).append(weakref.ref(fake))
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shadows = _Shadows()  # fake tensor -> its real value
+        self._captured_fakes: dict[int, tuple] = {}  # id of a real tensor read by an op -> (weak ref, fake)
+        self._views: dict[int, list] = {}  # fake storage id -> weak references to the shadowed views of it
 
-        def _forget(self, fake) -> None:
-            """Drop the shadows of every view of ``fake``'s storage (written with values we lack)."""
-            for ref in self._views.pop(id(fake.untyped_storage()), ()):
-                t = ref()
-                if t is not None:
-                    self.shadows.pop(t, None)
-            self.shadows.pop(fake, None)
+    def _keep(self, fake, real) -> None:
+        import weakref
 
-        def from_input(self, t: torch.Tensor) -> torch.Tensor:
-            """A model input as a fake tensor; the value of an integer or boolean one (ids, labels,
-            masks: what sizes data-dependent ops in practice) is kept as a shadow. Float data gets
-            none, so a model fed only floats pays nothing for shadows."""
-            fake = self.from_tensor(t)
-            if (not t.requires_grad and not t.is_meta and not is_fake(t) and t.numel() <= SHADOW_MAX_ELEMENTS
-                    and not t.is_floating_point() and not t.is_complex()):
-                with unset_fake_temporarily():
-                    real = t.detach().clone()
-                self._keep(fake, real)
-            return fake
+        self.shadows[fake] = real
+        self._views.setdefault(id(fake.untyped_storage()), []).append(weakref.ref(fake))
 
-        def _captured(self, t: torch.Tensor) -> torch.Tensor:
-            """A real tensor an op reads that no input or parameter brought in (a loss's targets, a
-            plain tensor attribute): made fake once, as a model input is (its integer value kept)."""
-            import weakref
+    def _forget(self, fake) -> None:
+        """Drop the shadows of every view of ``fake``'s storage (written with values we lack)."""
+        for ref in self._views.pop(id(fake.untyped_storage()), ()):
+            t = ref()
+            if t is not None:
+                self.shadows.pop(t, None)
+        self.shadows.pop(fake, None)
 
-            hit = self._captured_fakes.get(id(t))
-            if hit is not None and hit[0]() is t:
-                return hit[1]
-            fake = self.from_input(t)
-            self._captured_fakes[id(t)] = (weakref.ref(t), fake)
-            return fake
+    def from_input(self, t: torch.Tensor) -> torch.Tensor:
+        """A model input as a fake tensor; the value of an integer or boolean one (ids, labels,
+        masks: what sizes data-dependent ops in practice) is kept as a shadow. Float data gets
+        none, so a model fed only floats pays nothing for shadows."""
+        fake = self.from_tensor(t)
+        if (not t.requires_grad and not t.is_meta and not is_fake(t) and t.numel() <= SHADOW_MAX_ELEMENTS
+                and not t.is_floating_point() and not t.is_complex()):
+            with unset_fake_temporarily():
+                real = t.detach().clone()
+            self._keep(fake, real)
+        return fake
 
-        def dispatch(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if _reads_real(args, kwargs):  # (a cheap scan: ATen arguments nest one list deep at most)
-                flat, spec = pytree.tree_flatten((args, kwargs))
-                flat = [self._captured(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
-                        for a in flat]
-                args, kwargs = pytree.tree_unflatten(flat, spec)
-            impls = DEVICE_FAKE_IMPLS.get(str(func.name()) if hasattr(func, "name") else None)
-            if impls:
-                devices = {t.device.type for t in tensor_leaves((args, kwargs))}
-                impl = impls.get(next(iter(devices))) if len(devices) == 1 else None
-                if impl is not None:
-                    schema_args = _bind_schema(func, args, kwargs)
-                    size, dtype, device = impl(**schema_args)
-                    return super().dispatch(torch.ops.aten.empty.memory_format, types, (size,),
-                                            {"dtype": dtype, "device": device})
-            if not self.shadows:
-                return super().dispatch(func, types, args, kwargs)
-            try:
-                out = super().dispatch(func, types, args, kwargs)
-            except data_dependent:
-                out = self._from_shadows(func, types, args, kwargs)
-                if out is None:
-                    raise
-                return out
-            self._shadow(func, args, kwargs, out)
+    def _captured(self, t: torch.Tensor) -> torch.Tensor:
+        """A real tensor an op reads that no input or parameter brought in (a loss's targets, a
+        plain tensor attribute): made fake once, as a model input is (its integer value kept)."""
+        import weakref
+
+        hit = self._captured_fakes.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        fake = self.from_input(t)
+        self._captured_fakes[id(t)] = (weakref.ref(t), fake)
+        return fake
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _reads_real(args, kwargs):  # (a cheap scan: ATen arguments nest one list deep at most)
+            args, kwargs = self._all_fake(args, kwargs)
+        out = self._on_device_kernel(func, types, args, kwargs)
+        if out is not None:
             return out
+        if not self.shadows:
+            return super().dispatch(func, types, args, kwargs)
+        try:
+            out = super().dispatch(func, types, args, kwargs)
+        except _DATA_DEPENDENT:
+            out = self._from_shadows(func, types, args, kwargs)
+            if out is None:
+                raise
+            return out
+        self._shadow(func, args, kwargs, out)
+        return out
 
-        # -- shadows ---------------------------------------------------------------------------
-        def _real(self, func, args, kwargs):
-            """``func`` run on the shadows (None when an input tensor has none, or the run fails)."""
-            leaves = pytree.tree_leaves((args, kwargs))
-            if any(isinstance(t, FakeTensor) and t not in self.shadows for t in leaves):
-                return None
-            if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):
-                return None  # (a real tensor beside fake ones: not ours to compute with)
-            real_args, real_kwargs = pytree.tree_map_only(FakeTensor, lambda t: self.shadows[t], (args, kwargs))
-            try:
-                with unset_fake_temporarily(), torch.no_grad():
-                    return (func(*real_args, **real_kwargs),)
-            except Exception:  # noqa: BLE001 - a value we cannot compute: the op stays unshadowed
-                return None
+    def _all_fake(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """An op's arguments with each real tensor in them made fake (:meth:`_captured`)."""
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat = [self._captured(a) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) else a
+                for a in flat]
+        return pytree.tree_unflatten(flat, spec)
 
-        def _shadow(self, func, args, kwargs, out) -> None:
-            shadows = self.shadows
-            if (any(isinstance(t, FakeTensor) and t not in shadows for t in _tensors(args, kwargs))
-                    or torch.Tag.nondeterministic_seeded in func.tags or torch.Tag.inplace_view in func.tags):
-                # no value for what it makes (an inner op of a decomposition may have shadowed it),
-                # and what it writes is no longer its shadow's value
-                for t in _tensors((out,), {}):
-                    shadows.pop(t, None)
-                if func._schema.is_mutable:
-                    for t in _written(func, args, kwargs):
-                        if isinstance(t, FakeTensor):
-                            self._forget(t)
-                return
-            outs = [t for t in pytree.tree_leaves(out) if isinstance(t, FakeTensor)]
-            mutated = func._schema.is_mutable
-            if not outs and not mutated:
-                return
-            big = sum(t.numel() for t in outs) > SHADOW_MAX_ELEMENTS
-            real = None if big else self._real(func, args, kwargs)
-            if real is None:
-                for t in outs:
-                    shadows.pop(t, None)
-                if mutated:
-                    for t in _written(func, args, kwargs):
-                        if isinstance(t, FakeTensor):
-                            self._forget(t)
-                return
-            for f, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real[0])):
-                if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor) and tuple(f.shape) == tuple(r.shape):
-                    self._keep(f, r)
+    def _on_device_kernel(self, func, types, args: tuple, kwargs: dict):
+        """The output of an op of :data:`DEVICE_FAKE_IMPLS` whose tensors are all on a device it has a
+        function for, after that device's checks; None for every other op."""
+        impls = DEVICE_FAKE_IMPLS.get(str(func.name()) if hasattr(func, "name") else None)
+        if not impls:
+            return None
+        devices = {t.device.type for t in tensor_leaves((args, kwargs))}
+        impl = impls.get(next(iter(devices))) if len(devices) == 1 else None
+        if impl is None:
+            return None
+        size, dtype, device = impl(**_bind_schema(func, args, kwargs))
+        return super().dispatch(torch.ops.aten.empty.memory_format, types, (size,), {"dtype": dtype, "device": device})
 
-        def _from_shadows(self, func, types, args, kwargs):
-            """An op whose output shape depends on values, answered from the shadows: run for real
-            when every input is shadowed; a boolean-mask index made integer indices from its shadow."""
-            real = self._real(func, args, kwargs)
-            if real is not None:
-                def fake_of(r):
-                    if not isinstance(r, torch.Tensor):
-                        return r
-                    with unset_fake_temporarily():
-                        f = self.from_tensor(r)
-                    self._keep(f, r)
-                    return f
-                return pytree.tree_map(fake_of, real[0])
-            name = str(func.name())
-            if name in _INDEX_OPS or name == "aten::masked_select":
-                idx_pos = 1
-                indices = list(args[idx_pos]) if name != "aten::masked_select" else [args[1]]
-                new = []
-                changed = False
-                for t in indices:
-                    if isinstance(t, FakeTensor) and t.dtype in (torch.bool, torch.uint8) and t in self.shadows:
-                        mask = self.shadows[t]
-                        if name == "aten::masked_select":
-                            shape = torch.broadcast_shapes(tuple(args[0].shape), tuple(mask.shape))
-                            count = int(torch.broadcast_to(mask, shape).count_nonzero())
-                            return super().dispatch(torch.ops.aten.empty.memory_format, types, ((count,),),
-                                                    {"dtype": args[0].dtype, "device": args[0].device})
-                        with unset_fake_temporarily():
-                            longs = [self.from_tensor(i) for i in mask.nonzero().unbind(1)]
-                        new.extend(longs)
-                        changed = True
-                    else:
-                        new.append(t)
-                if changed:
-                    args = (args[0], new, *args[2:])
-                    return super().dispatch(func, types, args, kwargs)
+    # -- shadows -------------------------------------------------------------------------------
+    def _real(self, func, args, kwargs):
+        """``func`` run on the shadows (None when an input tensor has none, or the run fails)."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        if any(isinstance(t, FakeTensor) and t not in self.shadows for t in leaves):
+            return None
+        if any(isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) for t in leaves):
+            return None  # (a real tensor beside fake ones: not ours to compute with)
+        real_args, real_kwargs = pytree.tree_map_only(FakeTensor, lambda t: self.shadows[t], (args, kwargs))
+        try:
+            with unset_fake_temporarily(), torch.no_grad():
+                return (func(*real_args, **real_kwargs),)
+        except Exception:  # noqa: BLE001 - a value we cannot compute: the op stays unshadowed
             return None
 
-    return DeviceFakeTensorMode
+    def _shadow(self, func, args, kwargs, out) -> None:
+        """After ``func`` ran on fake tensors: shadow its outputs with their real values when every
+        tensor it read has one; else drop the shadows of what it made and of what it wrote."""
+        shadows = self.shadows
+        if (any(isinstance(t, FakeTensor) and t not in shadows for t in _tensors(args, kwargs))
+                or torch.Tag.nondeterministic_seeded in func.tags or torch.Tag.inplace_view in func.tags):
+            # no value for what it makes (an inner op of a decomposition may have shadowed it),
+            # and what it writes is no longer its shadow's value
+            for t in _tensors((out,), {}):
+                shadows.pop(t, None)
+            self._forget_written(func, args, kwargs)
+            return
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, FakeTensor)]
+        if not outs and not func._schema.is_mutable:
+            return
+        big = sum(t.numel() for t in outs) > SHADOW_MAX_ELEMENTS
+        real = None if big else self._real(func, args, kwargs)
+        if real is None:
+            for t in outs:
+                shadows.pop(t, None)
+            self._forget_written(func, args, kwargs)
+            return
+        for f, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(real[0])):
+            if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor) and tuple(f.shape) == tuple(r.shape):
+                self._keep(f, r)
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        """Drop the shadows of the storages a mutating op writes into."""
+        if func._schema.is_mutable:
+            for t in _written(func, args, kwargs):
+                if isinstance(t, FakeTensor):
+                    self._forget(t)
+
+    def _from_shadows(self, func, types, args, kwargs):
+        """An op whose output shape depends on values, answered from the shadows: run for real
+        when every input is shadowed; a boolean-mask index made integer indices from its shadow.
+        None when the shadows cannot answer it."""
+        real = self._real(func, args, kwargs)
+        if real is not None:
+            return pytree.tree_map(self._fake_of, real[0])
+        name = str(func.name())
+        if name == "aten::masked_select":
+            return self._masked_select_from_shadow(types, args)
+        if name in _INDEX_OPS:
+            return self._index_from_shadows(func, types, args, kwargs)
+        return None
+
+    def _fake_of(self, r):
+        """A real output as a fake tensor shadowed by it (anything else as it is)."""
+        if not isinstance(r, torch.Tensor):
+            return r
+        with unset_fake_temporarily():
+            f = self.from_tensor(r)
+        self._keep(f, r)
+        return f
+
+    def _shadowed_mask(self, t) -> bool:
+        return isinstance(t, FakeTensor) and t.dtype in (torch.bool, torch.uint8) and t in self.shadows
+
+    def _masked_select_from_shadow(self, types, args):
+        """``masked_select``'s output sized by its shadowed mask's count (None without a shadow)."""
+        if not self._shadowed_mask(args[1]):
+            return None
+        mask = self.shadows[args[1]]
+        shape = torch.broadcast_shapes(tuple(args[0].shape), tuple(mask.shape))
+        count = int(torch.broadcast_to(mask, shape).count_nonzero())
+        return super().dispatch(torch.ops.aten.empty.memory_format, types, ((count,),),
+                                {"dtype": args[0].dtype, "device": args[0].device})
+
+    def _index_from_shadows(self, func, types, args, kwargs):
+        """An index op with each shadowed boolean mask among its indices replaced by the integer
+        indices of its true entries (None when it has no such mask)."""
+        new = []
+        changed = False
+        for t in list(args[1]):
+            if self._shadowed_mask(t):
+                with unset_fake_temporarily():
+                    longs = [self.from_tensor(i) for i in self.shadows[t].nonzero().unbind(1)]
+                new.extend(longs)
+                changed = True
+            else:
+                new.append(t)
+        if not changed:
+            return None
+        return super().dispatch(func, types, (args[0], new, *args[2:]), kwargs)
 
 
 class _Shadows:
