@@ -95,16 +95,12 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
     Every addend of a side tensor open at ``l`` and held by no earlier segment is its own (whether
     it is held, read or saved here does not depend on the others), so each term of the segment's
     peak (:func:`ckptopt.simulator.kernels.segment_terms`) is its value with every such tensor held
-    before, plus one coefficient per tensor that is not; the frame's release, not linear in the
-    bytes it holds (``max(pre + x, post)``), is two linear terms. Consecutive terms with the same
-    coefficients are one (their largest), and each term is summed over all masks at once (one
-    addition per mask): ``nb + 1`` passes of :func:`side_terms_frame` and O(terms x 2^nb), where the
-    masks one by one take 2^nb passes. Exact (``tests/test_side_tensors.py`` checks it against
-    :func:`_segment` for every mask)."""
-    terms, base3, coef, gbase, gcoef = ms.terms, ms.base3, ms.coef, ms.gbase, ms.gcoef
-    dheld, drop, framek, lowk, sums = ms.dheld, ms.drop, ms.framek, ms.lowk, ms.sums
-    Dout, Hout, S2out = ms.D, ms.held, ms.S2
-    fadd, radd, badd, jn = sc.fadd, sc.radd, sc.badd, sc.joint
+    before, plus one coefficient per tensor that is not (:func:`_mask_coefficients`); the frame's
+    release, not linear in the bytes it holds (``max(pre + x, post)``), is two linear terms.
+    Consecutive terms with the same coefficients are one (their largest, :func:`_merged_terms`), and
+    each term is summed over all masks at once (one addition per mask, :func:`_over_masks`): ``nb + 1``
+    passes of :func:`side_terms_frame` and O(terms x 2^nb), where the masks one by one take 2^nb
+    passes. Exact (``tests/test_side_tensors.py`` checks it against :func:`_segment` for every mask)."""
     unwrapped = kind != 0
     if flag:
         c = 0
@@ -113,11 +109,25 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
         c = held_checkpoint(l, r, unwrapped, True, K)
         live_in = K.ck[l] - c if l > 0 else 0
     nb = SD.bptr[l + 1] - SD.bptr[l]
-    ns = 1 << nb
-    full = ns - 1
+    held0, S20, frame0, fsv, anyframe = _mask_coefficients(l, r, unwrapped, flag, live_in, nb, K, SD, sc, ms)
+    G = _merged_terms(l, r, flag, nb, fsv, frame0, anyframe, K, SD, sc.joint, ms)
+    _over_masks(G, nb, held0, S20, ms)
+    return c
+
+
+@njit(cache=True)
+def _mask_coefficients(l, r, unwrapped, flag, live_in, nb, K, SD, sc, ms):
+    """The segment's terms with every open tensor held before (``ms.terms``), and per open tensor ``k``
+    what not holding it adds to each term, to the held bytes and to the frame's bytes, and the bits it
+    clears in the next mask (``ms.coef``, ``dheld``, ``framek``, ``drop``): one pass of
+    :func:`side_terms_frame` with every tensor held, then one with each not. Returns ``(held0, S20,
+    frame0, fsv, anyframe)``: that first pass's held bytes, next mask, frame bytes and frame layer, and
+    whether any tensor changes the frame's bytes."""
+    fadd, radd, badd, base3 = sc.fadd, sc.radd, sc.badd, ms.base3
+    full = (1 << nb) - 1
     w = r - l + 1
     held0, S20, frame0, fsv = side_terms_frame(l, r, unwrapped, flag != 0, full, K, SD, sc, False)
-    segment_terms(l, r, unwrapped, K, live_in, flag != 0, fadd, radd, badd, terms)
+    segment_terms(l, r, unwrapped, K, live_in, flag != 0, fadd, radd, badd, ms.terms)
     for i in range(l, r + 1):
         base3[i - l] = fadd[i]
         base3[w + i - l] = radd[i]
@@ -126,18 +136,36 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
     for k in range(nb):
         hk, S2k, fk, _ = side_terms_frame(l, r, unwrapped, flag != 0, full ^ (1 << k), K, SD, sc, False)
         for i in range(l, r + 1):
-            coef[k, i - l] = fadd[i] - base3[i - l]
-            coef[k, w + i - l] = radd[i] - base3[w + i - l]
-            coef[k, 2 * w + i - l] = badd[i] - base3[2 * w + i - l]
-        dheld[k] = hk - held0
-        drop[k] = S20 & ~S2k
-        framek[k] = fk - frame0
-        if framek[k] != 0:
+            ms.coef[k, i - l] = fadd[i] - base3[i - l]
+            ms.coef[k, w + i - l] = radd[i] - base3[w + i - l]
+            ms.coef[k, 2 * w + i - l] = badd[i] - base3[2 * w + i - l]
+        ms.dheld[k] = hk - held0
+        ms.drop[k] = S20 & ~S2k
+        ms.framek[k] = fk - frame0
+        if ms.framek[k] != 0:
             anyframe = True
+    return held0, S20, frame0, fsv, anyframe
+
+
+@njit(cache=True)
+def _add_group(ms, G, value, t, nb, frame):
+    """Group ``G``: ``value`` plus per open tensor term ``t``'s coefficient (and the frame's, ``frame``)."""
+    ms.gbase[G] = value
+    for k in range(nb):
+        ms.gcoef[G, k] = ms.coef[k, t] + (ms.framek[k] if frame else 0)
+    return G + 1
+
+
+@njit(cache=True)
+def _merged_terms(l, r, flag, nb, fsv, frame0, anyframe, K, SD, jn, ms):
+    """The segment's terms as groups (``ms.gbase`` plus ``ms.gcoef`` per open tensor not held before),
+    consecutive terms with the same coefficients merged into one (their largest); the backward term of
+    the layer that lets the frame go (``fsv``) becomes one group per release (the frame's, with the
+    recomputed copies let go in one sequence with it, ``jn``) and one after the last. Returns how many."""
+    w = r - l + 1
+    terms = ms.terms
     joint = jn[0] >= 0  # (the frame layer's joint releases)
-    # the backward term of the layer that lets the frame go
-    tf = 2 * w + fsv - l if anyframe or frame0 != 0 or joint else -1
-    # the terms, merged where their coefficients agree
+    tf = 2 * w + fsv - l if anyframe or frame0 != 0 or joint else -1  # (that backward term)
     G = 0
     for t in range(3 * w):
         v = terms[t]
@@ -161,77 +189,69 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
                     rest += jn[4 + 3 * q]
                 held_f = True
                 for o in jorder:
-                    gbase[G] = v + jpre[o] - top + rest
-                    for k in range(nb):
-                        gcoef[G, k] = coef[k, t] + (framek[k] if held_f else 0)
-                    G += 1
+                    G = _add_group(ms, G, v + jpre[o] - top + rest, t, nb, held_f)
                     if o == cnt:
                         rest -= x0
                         held_f = False
                     else:
                         rest -= jn[4 + 3 * o]
-                gbase[G] = v + jpost[jorder[cnt]] - top
-                for k in range(nb):
-                    gcoef[G, k] = coef[k, t]
-                G += 1
+                G = _add_group(ms, G, v + jpost[jorder[cnt]] - top, t, nb, False)
                 continue
-            frame_known = SD.frame_known != 0
             pre, post = frame_split(SD, fsv, l > 0 and flag == 0 and fsv == l)
-            if not frame_known:
+            if SD.frame_known == 0:
                 pre, post = 0, 0
             top = pre if pre > post else post
             # + max(pre + x, post) - top, x the frame's bytes: (pre - top + x) and (post - top)
-            gbase[G] = v + pre - top + x0
-            for k in range(nb):
-                gcoef[G, k] = coef[k, t] + framek[k]
-            G += 1
-            if frame_known:
-                gbase[G] = v + post - top
-                for k in range(nb):
-                    gcoef[G, k] = coef[k, t]
-                G += 1
+            G = _add_group(ms, G, v + pre - top + x0, t, nb, True)
+            if SD.frame_known != 0:
+                G = _add_group(ms, G, v + post - top, t, nb, False)
             continue
         if G > 0 and t - 1 != tf:
             same = True
             for k in range(nb):
-                if gcoef[G - 1, k] != coef[k, t]:
+                if ms.gcoef[G - 1, k] != ms.coef[k, t]:
                     same = False
                     break
             if same:
-                if v > gbase[G - 1]:
-                    gbase[G - 1] = v
+                if v > ms.gbase[G - 1]:
+                    ms.gbase[G - 1] = v
                 continue
-        gbase[G] = v
-        for k in range(nb):
-            gcoef[G, k] = coef[k, t]
-        G += 1
+        G = _add_group(ms, G, v, t, nb, False)
+    return G
+
+
+@njit(cache=True)
+def _over_masks(G, nb, held0, S20, ms):
+    """Every mask's peak (the largest group, each summed over the masks in one addition per mask: mask
+    ``S`` is ``S`` without its lowest bit, less that tensor's coefficient), held bytes and next mask."""
+    ns = 1 << nb
+    Dout, sums, lowk = ms.D, ms.sums, ms.lowk
     for S in range(ns):
         Dout[S] = NEG
     for g in range(G):
-        tot = gbase[g]
+        tot = ms.gbase[g]
         for k in range(nb):
-            tot += gcoef[g, k]
+            tot += ms.gcoef[g, k]
         sums[0] = tot
         if tot > Dout[0]:
             Dout[0] = tot
         for S in range(1, ns):
             k = lowk[S]
-            v = sums[S ^ (1 << k)] - gcoef[g, k]
+            v = sums[S ^ (1 << k)] - ms.gcoef[g, k]
             sums[S] = v
             if v > Dout[S]:
                 Dout[S] = v
     tot = held0
     lost = 0
     for k in range(nb):
-        tot += dheld[k]
-        lost |= drop[k]
-    Hout[0] = tot
-    S2out[0] = S20 & ~lost
+        tot += ms.dheld[k]
+        lost |= ms.drop[k]
+    ms.held[0] = tot
+    ms.S2[0] = S20 & ~lost
     for S in range(1, ns):
         k = lowk[S]
-        Hout[S] = Hout[S ^ (1 << k)] - dheld[k]
-        S2out[S] = S2out[S ^ (1 << k)] | drop[k]
-    return c
+        ms.held[S] = ms.held[S ^ (1 << k)] - ms.dheld[k]
+        ms.S2[S] = ms.S2[S ^ (1 << k)] | ms.drop[k]
 
 
 class MaskScratch(NamedTuple):
