@@ -44,6 +44,9 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
       ``held_checkpoint``; the unwrapped hold does not depend on r);
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
       sums ``Cpre`` of the per-layer compute.
+
+    One loop by design: it is the inner loop of the O(n^2) programs, and each of its fourteen running
+    values changes with every ``r``; split into calls, all of them would be passed in and out per layer.
     """
     Pl = K.P[l]
     first = l > 0  # the first layer's input may be held by the previous segment or not
