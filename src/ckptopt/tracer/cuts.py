@@ -84,10 +84,10 @@ MAX_CROSSING = 8
 #: before measuring; at or below it, it measures and keeps the crossing whose costs the exact
 #: side-tensor program solves within ``SIDE_AUTO_MAX_WORK`` (a trial run): the program is
 #: O(n^3 2^k) when nothing prunes (a model whose peak sits in its loss, as a large-vocabulary LM's:
-#: 290 layers of an 8B-wide Llama took 16 s) and near O(n^2) when the saved-bytes bound does
-#: (HrmText, 407 layers at 2: 0.03 s). Straight to single-tensor cuts was wrong: a T5 with LoRA on
-#: every linear layer has 416 layers at 8, 258 at 4 (the same optimal peak), 6 at 1 (1.8x the peak
-#: of HF's checkpointing); HrmText 41 at 1 (2.4x).
+#: 290 layers of an 8B-wide Llama take 16 s) and near O(n^2) when the saved-bytes bound does
+#: (HrmText, 407 layers at 2: 0.03 s). Halving, not going straight to single-tensor cuts, keeps the
+#: plans good: a T5 with LoRA on every linear layer has 416 layers at 8, 258 at 4 (the same optimal
+#: peak), 6 at 1 (1.8x the peak of HF's checkpointing); HrmText 41 at 1 (2.4x).
 SIDE_AUTO_MAX_N = 1_000
 
 

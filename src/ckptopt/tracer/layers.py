@@ -96,7 +96,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     Then, last layer first, a layer whose gradients the side tensors show to be arranged otherwise
     (outputs whose gradients are one storage, a gradient handed out as a slice, pending or held
     side gradients) is measured again with them so (:meth:`_Measurer.how`); and once more where the
-    side tensors that pass found make its output gradient outlive its backward, or no longer.
+    side tensors that pass finds change whether its output gradient outlives its backward.
     """
     built, param_owner = _build_layers(fake_gm, groups, crossings, readable, values, placeholders, captured,
                                        loss_fn, model_output, single_output)
@@ -416,15 +416,16 @@ class _Found:
 
 
     def _chain_splits(self, crossings: Crossings, values: dict) -> None:
-        """Side tensors a layer lets go at one moment: each split was measured with the others held
-        throughout, and the simulator adds them one by one (``max(pre + x, post)`` each), where the
-        peak before is theirs together (a product of two side tensors was under by one of them). The
-        k-th adds ``f(x_1 + .. + x_k) - f(x_1 + .. + x_k-1)``, ``f(x) = max(pre + x, post)`` (its
-        split's ``pre`` raised by the ones before it): all held, exactly theirs together; some not held
-        by the segment, at least their own (``f`` is convex), never under. Chained in the order of
-        :meth:`_may_be_held`: one an earlier segment holds is in the bytes already, and counted again
-        by every member after it (6,136 B over where a checkpoint's frame held the first of two
-        operands of a product); last in the chain, it is skipped and the others are exact."""
+        """Side tensors a layer lets go at one moment (a product saves both operands): each split is
+        measured with the others held throughout, and the simulator adds them one by one
+        (``max(pre + x, post)`` each), but before that moment all of them are live: priced apart, each
+        split would count its own bytes only. So the k-th adds ``f(x_1 + .. + x_k) - f(x_1 + .. + x_k-1)``,
+        ``f(x) = max(pre + x, post)`` (its split's ``pre`` raised by the ones before it): all held, exactly
+        theirs together; some not held by the segment, at least their own (``f`` is convex), never under.
+        Chained in the order of :meth:`_may_be_held`: one an earlier segment holds (in a checkpoint's
+        frame) is in the bytes already and would be counted again by every member after it; last in the
+        chain, it is skipped and the others are exact. ``tests/common/regressions.py`` cases
+        ``two-sides-let-go-together`` and ``held-operand-last-in-the-release-chain``."""
         for together, release in ((self.together, self.release), (self.together_rec, self.release_rec),
                                   (self.together_free, self.release_free)):
             for j, members in together:
@@ -449,10 +450,10 @@ def _merge_early(groups: dict[tuple, list], n: int) -> dict[tuple, list]:
     over-counts a part's bytes for the stretch the other adds. A group whose readers run from layer
     ``lo`` to ``hi`` is held through the forward up to ``hi`` and, kept by a layer that saves it or by a
     checkpoint's frame, through the backward down to ``lo``: about ``hi + n - lo`` layers. Merged
-    greedily, the cheapest pair first (BART's three masks: the encoder's, read by the six encoder
-    layers, apart from the decoder's two, read by the decoder layers; merged all into one, the
-    decoder's were counted through the backward of the first encoder layer, its plan's peak, 82,936 B
-    over the measured peak)."""
+    greedily, the pair whose union over-counts least first: an encoder-decoder's encoder mask, read by
+    the encoder layers, stays apart from the decoder's masks, read by the decoder layers; one group of
+    all three would hold the decoder's through the backward of the first encoder layer, where such a
+    plan peaks (``tests/test_hf.py::test_encoder_decoder_masks_are_held_each_for_its_own_stack``)."""
     parts = [[key[0], key[1], sum(b for _, b, _ in members), members, False] for key, members in groups.items()]
 
     def span(readers) -> int:
@@ -638,8 +639,8 @@ def _lone_side_grad_layout(j: int, crossings: Crossings, layers: list[Layer], si
     """``(nbytes, stride, offset)`` of the gradient of layer ``j``'s one side output measured as a slice of
     a larger storage (``shared``), when the layer that hands it out (its ``grad_view``) records a
     layout: a concatenation along channels hands out a strided slice, which a normalization's backward
-    copies before reading (a random model was 968 B under, its GroupNorm measured with a contiguous
-    slice). None otherwise."""
+    (GroupNorm's) copies before reading, a copy a contiguous slice would not show. None otherwise
+    (``tests/common/regressions.py`` case ``lone-side-output-gradient-strided``)."""
     io = crossings.io[j]
     k0 = 1 if io.main_out is not None else 0
     for members, nbytes in shared:
@@ -648,7 +649,8 @@ def _lone_side_grad_layout(j: int, crossings: Crossings, layers: list[Layer], si
             continue
         t = io.side_out[outs[0] - k0]
         # the layer whose storage it views, or the last that adds to it, which may pass that view on (an
-        # addition after a concatenation: a random model was 48 B under, its GroupNorm's copy not seen)
+        # addition after a concatenation hands on its strided slice; tests/common/regressions.py case
+        # gradient-slice-through-an-addition)
         for u in (side[t].grad_view, side[t].grad_last):
             if u <= j or u >= len(layers) or t not in crossings.io[u].side_in:
                 continue
@@ -662,10 +664,11 @@ def _lone_side_grad_layout(j: int, crossings: Crossings, layers: list[Layer], si
 def _output_grad_outlives(j: int, side: list[SideTensor], grad_root: list[int]) -> bool:
     """Layer ``j``'s output gradient storage outlives its backward: a side tensor's gradient views it
     (an addition or a concatenation after it hands out the same storage) and is summed at an earlier
-    layer (``ckptopt.sides.SideArrays.build``, which adds ``gh`` for it). Measured with that gradient
-    let go when the layer is done with it, ``gh`` took the peak it adds later in the backward with every
-    side input still held, where the model releases one the layer saves before: a skip model was
-    1,488 B over."""
+    layer (``ckptopt.sides.SideArrays.build``, which adds ``gh`` for it). Such a layer is measured with
+    that gradient held to its backward's end, so ``b`` and the release splits count it where the
+    backward has it: ``gh``, taken from a run that lets it go, would price it with every side input
+    still held, where the model releases one the layer saves earlier (``tests/common/regressions.py``
+    case ``output-gradient-outlives-the-backward``)."""
     key = ("view", int(grad_root[j]))
     return any(t.grad_bytes and t.producer <= j < t.grad_last and j > t.grad_split and t.grad_storage(j)[0] == key
                for t in side)
@@ -674,8 +677,9 @@ def _output_grad_outlives(j: int, side: list[SideTensor], grad_root: list[int]) 
 def _chain_output_gets_a_gradient(j: int, built: list, layers: list[Layer], values: dict) -> bool:
     """False when layer ``j``'s chain output requires grad but the next layer's backward hands it none
     (it reads it only in ops no output depends on: a dead op beside the ops that read a side tensor).
-    Measured with an injected gradient, that layer's backward summed it with the gradient its side
-    outputs bring, and ``g`` counted a gradient the model never makes."""
+    Such a layer is measured with none injected: an injected gradient would be summed with the one its
+    side outputs bring, and ``g`` would count a gradient the model never makes
+    (``tests/common/regressions.py`` case ``no-gradient-reaches-the-chain-output``)."""
     if j + 1 >= len(built) or j + 1 >= len(layers) or not layers[j].costs.a:
         return True
     x_node = built[j + 1].x_node

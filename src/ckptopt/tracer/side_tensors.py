@@ -146,8 +146,9 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
     next layer: a boundary nothing is computed for is no boundary."""
     group_of, readers = _crossing(groups, static, values, out_node)
     # a layer that hands on only views of storages made before it (the model input unsqueezed beside
-    # dead ops) makes nothing for a later layer: kept, its output counted a storage the static bytes
-    # (or the boundary before) count already (152 B over in the issue-19 fuzz, tests/test_fuzz.py)
+    # dead ops) makes nothing for a later layer: kept, its output would count a storage the static bytes
+    # (or the boundary before) count already (tests/common/regressions.py case
+    # layer-hands-on-a-view-of-the-input)
     made_in: dict[Any, int] = {}
     for n, v in values.items():  # (inputs, parameters, static values: made before any layer)
         if n not in group_of and (n in static or n.op in ("placeholder", "get_attr")):
@@ -177,8 +178,9 @@ def merge_outputless(groups: list[list[fx.Node]], static: set[fx.Node], values: 
         # single-tensor chain's pass-through layer, which find_crossings hands it through, when it
         # computes something a later layer reads (a static value) or no tensor at all (an export
         # graph's metadata assertions). One whose tensors nothing reads (dead ops) joins the next
-        # layer: kept, its output was its input, one tensor counted twice where the layer before
-        # keeps it and the next saves it (up to 2,952 B over in the issue-19 fuzz, tests/test_fuzz.py)
+        # layer: kept, its output would be its input, one tensor counted twice where the layer before
+        # keeps it and the next saves it (tests/common/regressions.py cases dead-ops-beside-a-passed-tensor
+        # and dead-only-layer)
         dead_ops = j not in read_later and any(tensor_leaves(values.get(n)) for n in members)
         through = j > 0 and len(crossing[j]) == 1 and crossing[j] == crossing[j + 1] and not carry and not dead_ops
         if through:  # ... and it is the chain tensor up to the next layer that computes something

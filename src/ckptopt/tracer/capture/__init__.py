@@ -13,8 +13,9 @@ call to it and how to rebuild the model's output), so everything after capture
 ``capture="auto"`` tries ``fx`` and falls back to ``export`` when FX cannot trace the
 model (the model's attributes restored in between: FX runs its Python code with proxies).
 When capture fails, a forward on a fake-tensor copy tells a batch the model itself rejects
-(its own error, as a TypeError or ValueError) from a model the front ends cannot follow. A third front end plugs in by adding a function ``f(model, inputs,
-leaf_modules) -> Captured`` to :data:`FRONT_ENDS`.
+(its own error, as a TypeError or ValueError) from a model the front ends cannot follow.
+A third front end plugs in by adding a function ``f(model, inputs, leaf_modules) ->
+Captured`` to :data:`FRONT_ENDS`.
 """
 
 from __future__ import annotations

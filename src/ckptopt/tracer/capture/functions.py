@@ -8,14 +8,15 @@ of its ``forward`` and autograd differentiates those instead of calling the Func
 ones the Function saves.
 
 Under ``torch.fx`` (which runs Python) the call becomes one ``call_function`` node whose
-target applies the Function. Under ``torch.export``, while :func:`opaque_functions` is active, each call ``F.apply(*args)`` of a Function
-defined outside torch becomes one op of the library ``ckptopt_fn`` (one op per class and
-non-tensor arguments): its tensor arguments go in as a list, its tensor outputs come out
-as a list. The op's kernels call ``F.apply`` itself, so the rewritten module runs the
-Function's own ``forward`` and ``backward``, and the tracer measures what it saves; its
-fake kernel runs ``F.forward`` on fake tensors. A call the op cannot carry (keyword
-arguments, symbolic sizes or tensors inside containers among the arguments) is traced
-through as before.
+target applies the Function. Under ``torch.export``, while :func:`opaque_functions` is
+active, each call ``F.apply(*args)`` of a Function defined outside torch becomes one op of
+the library ``ckptopt_fn`` (one op per class and non-tensor arguments): its tensor
+arguments go in as a list, its tensor outputs come out as a list. The op's kernels call
+``F.apply`` itself, so the rewritten module runs the Function's own ``forward`` and
+``backward``, and the tracer measures what it saves; its fake kernel runs ``F.forward`` on
+fake tensors. A call the op cannot carry (keyword arguments, symbolic sizes or tensors
+inside containers among the arguments) is traced through: the graph keeps the ATen ops of
+its ``forward``.
 
 The ops live as long as the process: a module rewritten from such a graph runs in the
 process that planned it.

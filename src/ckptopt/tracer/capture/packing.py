@@ -3,11 +3,11 @@
 In eager mode transformers leaves the causal mask out when the sequences are not packed and
 nothing is padded, and SDPA runs with ``is_causal=True``. Whether the sequences are packed
 (``masking_utils.find_packed_sequence_indices``) is read from the position ids' values, which a
-traced model cannot read (``is_tracing`` is true for fake tensors), so every export of a Llama-like
-model built a batch x 1 x seq x seq boolean mask, which SDPA turns into a float mask and saves in
-every attention layer: 128 KiB a layer at batch 2, sequence 128 (a 4-layer Llama's step without
-checkpointing measured 524,288 B below what its captured graph needs), 64 MiB a layer at batch 1,
-sequence 4,096, and half the blocks of causal attention computed for nothing.
+traced model cannot read (``is_tracing`` is true for fake tensors), so a plain export of a Llama-like
+model builds a batch x 1 x seq x seq boolean mask, which SDPA turns into a float mask and saves in
+every attention layer: memory the eager step does not use (128 KiB a layer at batch 2, sequence 128;
+64 MiB a layer at batch 1, sequence 4,096), and half the blocks of causal attention computed for
+nothing (``tests/test_hf.py::test_unpacked_causal_lm_is_captured_without_a_mask_as_eager_mode_runs_it``).
 
 While the model is exported as it runs eagerly, :func:`eager_packing` makes that check in the graph
 (an ``aten._assert_async``: checked at run time, as eager mode checks it every call)
