@@ -32,7 +32,8 @@ A plan's peak is ``static + max_k (sum_{j<=k} c_j + D(l_k, r_k))`` with ``c_j`` 
 checkpoint segment ``j`` holds (:func:`held_checkpoint`). An input nothing holds is
 still live while the segment's first layer runs, so the forward term at ``i = l``
 then adds it (``live_in``), and so does every forward term of a checkpointed
-segment: ``checkpoint(fn, *inputs)`` holds its arguments until it returns. Phase codes: 0 forward, 1 recompute, 2 backward.
+segment: ``checkpoint(fn, *inputs)`` holds its arguments until it returns. Phase codes:
+0 forward, 1 recompute, 2 backward.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def drop_stale_caches(root: Path = Path(__file__).resolve().parent.parent) -> bo
 
     numba keys a cached function by its own file's timestamp only, so a kernel that
     calls one in another file (the solvers call :func:`segment_peak`) keeps stale
-    machine code when only the callee's file changed (seen in a checkout: ``dp`` and
-    ``brute`` disagreed until the cache was deleted). A stamp of all the sources in
-    ``simulator/__pycache__`` tells. Returns whether caches were deleted.
+    machine code when only the callee's file changed, and two solvers then disagree on
+    one plan's peak. A stamp of all the sources in ``simulator/__pycache__`` tells
+    (``tests/test_solvers.py::test_stale_numba_caches_are_dropped_when_a_compiled_source_changes``).
+    Returns whether caches were deleted.
     """
     digest = hashlib.sha1()
     for rel in COMPILED_SOURCES:
@@ -239,9 +241,9 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
     """Every term of :func:`segment_peak_add` (full form, with the addends), one by one: ``out[i - l]``
     the forward term of layer ``i``, ``out[w + i - l]`` its recomputation term, ``out[2 w + i - l]``
     its backward term (``w = r - l + 1``; ``NEG`` where a layer has no such term). Their maximum is
-    ``segment_peak_add``'s peak (``tests/test_side_tensors.py`` checks it on random models: a rule
-    changed there must be changed here). The side-tensor programs take each term apart by side
-    tensor (:mod:`ckptopt.solvers.side_tensors`). O(r - l)."""
+    ``segment_peak_add``'s peak (``tests/test_side_tensors.py::test_segment_terms_are_the_terms_of_segment_peak_add``
+    checks it on random models: a rule changed there must be changed here). The side-tensor programs
+    take each term apart by side tensor (:mod:`ckptopt.solvers.side_tensors`). O(r - l)."""
     w = r - l + 1
     for t in range(3 * w):
         out[t] = NEG

@@ -109,8 +109,8 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     Notes
     -----
     Running time O(n) per plan (compiled).
-    ``recompute_flops`` equals ``costs.c`` summed over
-    :func:`recomputed_layers` (tested).
+    ``recompute_flops`` equals ``costs.c`` summed over :func:`recomputed_layers`
+    (``tests/test_recompute.py::test_simulator_reports_the_recomputation_of_recomputed_layers``).
 
     Examples
     --------

@@ -155,8 +155,10 @@ def _joint_add(SD, u, x, joint):
     """What the frame's ``x`` bytes and the recomputed copies let go in layer ``u``'s backward with it
     (``joint``'s entries) add to its peak, as one sequence of releases: the largest of each
     release's peak before it plus everything still held then, and the peak after the last.
-    Priced one by one, each saw the others gone before its moment (a random model's recomputed copy,
-    let go before the engine sums a bias gradient, and the frame, after: tests/test_fuzz.py)."""
+    Priced one by one, each release would see the others gone before its moment, though they go at
+    different moments of one backward: a recomputed copy when the node that read it returns, before
+    the engine sums that node's bias gradient, the frame after it (``tests/common/regressions.py``
+    case ``recomputed-copy-goes-with-the-frame``)."""
     c = joint[0]
     top = SD.fpre[u] if SD.fpre[u] > SD.fpost[u] else SD.fpost[u]
     if c == 0:  # (the frame alone)
@@ -189,8 +191,9 @@ def _input_held(K, i, l, held_l):
 def _with_frame(SD, j, u, alone):
     """Whether side tensor ``j``'s recomputed copy, saved by layer ``u`` (the segment's first saving layer,
     whose backward lets the checkpoint's frame go), goes at the frame's moment: its split is the frame's.
-    Then it is one release with the frame (``max(pre + both, post)``): split apart, each saw the other
-    gone before its release (a random chain model 6,144 B under, 7.6%, tests/test_fuzz.py)."""
+    Then it is one release with the frame (``max(pre + both, post)``): priced apart, each would see the
+    other gone before its release, and the peak before that moment would miss one of them
+    (``tests/test_side_tensors.py::test_a_recomputed_copy_let_go_with_the_frame_is_one_release``)."""
     q = _saver_index(SD, j, u)
     if SD.split_known[j] == 0 or SD.frame_known == 0 or q < 0:
         return False

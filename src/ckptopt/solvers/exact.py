@@ -85,9 +85,9 @@ def dp(costs: ChainCosts) -> Solution:
     recomputation is returned (the Pareto program with the optimum as the cap:
     an exact second pass). The pass is bounded (``TIE_BREAK_MAX_WORK`` steps,
     at most about 0.4 s, so it runs only up to about 2,800 layers); on an
-    instance with more trade-offs within the optimum (seen on random models of
-    a thousand layers, never on the zoo), the first pass's plan is kept: its
-    peak is optimal either way.
+    instance with more trade-offs within the optimum than that (a random model
+    of a thousand layers may have them; the zoo models need a few thousand
+    steps), the first pass's plan is kept: its peak is optimal either way.
 
     Notes
     -----

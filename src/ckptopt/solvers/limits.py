@@ -14,11 +14,11 @@ BRUTE_MAX_N = 20
 
 #: ``trace``'s default tries the exact side-tensor program on the costs of each crossing (8, 4, 2,
 #: 1 tensors per cut) and takes the first it solves within this much work (layer passes,
-#: :func:`ckptopt.solvers.side_tensors.dp_side`; about 10 million a second here): HrmText (a recurrent
-#: LM, 407 layers at 2) needs 0.2 million, at 4 (1,895 layers) 86 million, 8 s (both counted mask
-#: by mask, before segments were scored for every mask at once); the diffusers UNet at 8 (346
-#: layers) 3.6 million, 0.3 s (20-40 million mask by mask: it was narrowed to 4, and its optimal
-#: peak rose from 200.6 to 334.6 MiB).
+#: :func:`ckptopt.solvers.side_tensors.dp_side`; about 10 million a second here). With each mask
+#: scored on its own, HrmText (a recurrent LM) needs 0.2 million at 2 (407 layers) and 86 million,
+#: 8 s, at 4 (1,895 layers), and the diffusers UNet at 8 (346 layers) 20-40 million; with every mask
+#: scored at once, as :func:`~ckptopt.solvers.side_tensors.dp_side` does, the UNet needs 3.6 million,
+#: 0.3 s, and keeps 8 tensors per cut: at 4 its optimal peak is 334.6 MiB, against 200.6 MiB at 8.
 SIDE_AUTO_MAX_WORK = 20_000_000
 #: The CLI runs the O(n^3) ``dp`` by default only up to this size (about 0.5 s at n = 1,000).
 DP_ROUTINE_MAX_N = 2_000

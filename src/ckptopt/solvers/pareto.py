@@ -71,8 +71,9 @@ def pareto_front(
     Returns
     -------
     list of FrontPoint
-        ``(peak_bytes, recompute, checkpoints, stored)``, sorted by peak ascending; recomputation strictly decreases along the
-        list. ``stored`` lists the start layers of the unwrapped segments
+        ``(peak_bytes, recompute, checkpoints, stored)``, sorted by peak ascending;
+        recomputation strictly decreases along the list. ``stored`` lists the start layers of
+        the unwrapped segments
         (see :func:`ckptopt.simulate`). The first entry is the lowest-peak
         plan that recomputes least; the last recomputes nothing.
 

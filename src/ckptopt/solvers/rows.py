@@ -5,7 +5,8 @@ O(n - l): the terms of :func:`ckptopt.simulator.kernels.segment_peak` kept as
 running maxima as ``r`` grows. Its recomputation end is the rule of
 :func:`ckptopt.simulator.kernels.recompute_span` followed incrementally (the
 end only moves forward with ``r``); ``dp2`` against ``dp`` and ``brute``, which call
-the simulator's kernels, checks the two agree (``tests/test_solvers.py``).
+the simulator's kernels, checks the two agree
+(``tests/test_solvers.py::test_dp_dp2_brute_agree_on_full_model``).
 """
 
 from __future__ import annotations

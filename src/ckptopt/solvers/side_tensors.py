@@ -14,8 +14,8 @@ later segments, ``S'`` the mask at ``r + 1``, ``extra`` what a stored segment ke
 ``D`` is computed from scratch in O(r - l): the program is O(n^3 2^k) in time. A segment is scored
 for every mask at once (:func:`_segment_masks`: each tensor open at ``l`` adds to the segment's
 terms on its own, so ``k + 1`` passes and one addition per mask and term replace ``2^k`` passes;
-the diffusers UNet at 8 tensors per cut, 346 layers, up to 8 open: 0.3 s where mask by mask took
-3.1 s). The Pareto program (least recomputation, budgets, plans with stored segments) runs over
+the diffusers UNet at 8 tensors per cut, 346 layers, up to 8 open: 0.3 s, against 3.1 s mask by
+mask). The Pareto program (least recomputation, budgets, plans with stored segments) runs over
 the same states, dropping points no plan within its cap can use (:func:`min_held_side`).
 """
 
@@ -100,7 +100,8 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
     Consecutive terms with the same coefficients are one (their largest, :func:`_merged_terms`), and
     each term is summed over all masks at once (one addition per mask, :func:`_over_masks`): ``nb + 1``
     passes of :func:`side_terms_frame` and O(terms x 2^nb), where the masks one by one take 2^nb
-    passes. Exact (``tests/test_side_tensors.py`` checks it against :func:`_segment` for every mask)."""
+    passes. Exact: ``tests/test_side_tensors.py::test_segments_scored_for_every_mask_at_once`` checks
+    it against :func:`_segment` for every mask."""
     unwrapped = kind != 0
     if flag:
         c = 0
@@ -509,9 +510,11 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
     stored_offsets, complete)`` as :func:`ckptopt.solvers.pareto.pareto_plans` does.
 
     The segments of one layer's states are scored for every mask at once (:func:`_segment_masks`,
-    kept for a block of masks at a time, at most ``MASK_BUFFER`` values), then each state merges
-    its fronts as before; ``work`` counts as mask by mask. Points that no plan within the cap can
-    use (above ``cap`` less the least any prefix holds there, :func:`min_held_side`) are dropped.
+    kept for a block of masks at a time, at most ``MASK_BUFFER`` values), then each state builds its
+    front from its segments' candidates (:func:`~ckptopt.solvers.fronts.add_suffix_points`,
+    :func:`~ckptopt.solvers.fronts.keep_front`); ``work`` counts as mask by mask. Points that no
+    plan within the cap can use (above ``cap`` less the least any prefix holds there,
+    :func:`min_held_side`) are dropped.
 
     ``grain`` > 0: an approximate front, bounded in size: each state keeps, of its points whose
     relative peaks fall in one ``grain``-wide bucket, only the one that recomputes least. Peaks and
