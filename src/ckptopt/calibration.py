@@ -7,7 +7,7 @@ more things cost memory and one thing costs time:
   convolution workspaces, block rounding), present only while it runs: the
   allocator's peak minus the tensor-storage peak of the same phase;
 * **a fixed workspace**: what the libraries keep once the first matrix product ran
-  (cuBLAS: 65-70 MB on an H100, ``../shared/GPU_MEASUREMENTS.md``), measured, never
+  (cuBLAS: 65-70 MB on an H100, ``docs/gpu.md``), measured, never
   assumed. The libraries keep one per thread: the forward runs on the caller's thread, the
   backward on autograd's device thread, and a checkpointed segment's recomputation runs
   forward kernels there too (cuBLASLt's 1 MiB for a Linear with a bias, on an H200); so the
@@ -22,8 +22,9 @@ model inputs and the values computed from them alone are the real ones), so only
 layer's memory is ever allocated, and caches the result per layer signature, shapes,
 dtype and device: a model's repeated blocks are measured once.
 :meth:`Calibration.apply` folds it into a :class:`~ckptopt.ChainCosts` (scratch into
-the transients ``f``/``fs``/``b``/``bk``/``bf`` (and ``ff``/``ffs``/``br``/``bkr``), the workspace into the static bytes, times
-into ``c``/``cb`` with unit ``"ns"``), so the simulator and every solver see it. On
+the transients ``f``/``fs``/``b``/``bk``/``bf`` (and ``ff``/``ffs``/``br``/``bkr``), the
+workspace into the static bytes, times into ``c``/``cb`` with unit ``"ns"``), so the
+simulator and every solver see it. On
 a device without allocator statistics (the CPU) scratch and workspace are zero and
 only the times change. Design notes: ``docs/design.md`` §9.
 """

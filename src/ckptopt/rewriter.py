@@ -13,10 +13,11 @@ Design note (``docs/design.md`` §6):
 * A segment is a generated ``fx.GraphModule`` forward called with the
   wrapper as ``self``, so it reads submodules through the shared tree and
   follows ``.to()`` and parameter replacement.
-* Between segments only the single tensor of the cut travels (the tracer's
-  candidate cuts guarantee it) plus non-tensor values (sizes, ints), which
-  are returned by the segment that computes them and passed to the ones that
-  use them, so other batch sizes work.
+* Between segments travel the values a segment reads from earlier ones:
+  every tensor crossing the cut (the chain tensor and the side tensors; the
+  trace's ``max_crossing`` bounds how many of them the layers compute) and
+  non-tensor values (sizes, ints), each returned by the segment that computes
+  it and passed to the ones that use it, so other batch sizes work.
 * BatchNorm would update its running statistics twice (once more during the
   recomputation). A forward pre-hook detects recomputation
   (``torch._C._current_graph_task_id() != -1``: the forward runs inside a
@@ -93,7 +94,7 @@ def _bn_pre_hook(module: nn.Module, args):
         # BatchNorm's forward adds 1 to num_batches_tracked before it computes (so before any
         # tensor it saves, where a recomputation may stop); restoring subtracts it in place:
         # no copy, which would be memory the cost model does not count (8 B while the layer is
-        # recomputed; benchmarks/exactness_fuzz.py), and it works on fake tensors too
+        # recomputed; tests/common/regressions.py case recomputed-batchnorm), and it works on fake tensors too
         # (num_batches_tracked is not saved by BatchNorm's backward)
         counted = module.num_batches_tracked is not None and getattr(module, "track_running_stats", True)
         stack.append((module.momentum, counted))
@@ -459,8 +460,9 @@ def _take_inputs_from_list(sub: fx.GraphModule) -> None:
     Called as ``forward(self, *inputs)``, the caller's argument tuple would
     hold every input until the segment returns; an unwrapped segment (which
     does not checkpoint its inputs) must free an input after its last use, as
-    the unmodified model does (found by random-model fuzzing: the input of a
-    last segment whose ops do not save it stayed alive through its forward).
+    the unmodified model does: otherwise the input of a last segment whose ops
+    do not save it stays alive through its forward (``tests/common/regressions.py``
+    case ``last-segment-input-freed``).
     """
     inputs_from_list(sub.graph)
     sub.recompile()

@@ -2,10 +2,16 @@
 
 * :class:`Inputs` and :func:`normalize_inputs`: ``example_inputs`` as the model is
   called, ``model(*args, **kwargs)``;
-* :func:`fake_copy`: a fake-tensor copy of a model and its inputs (no memory);
 * :func:`default_loss`: the loss planning and measuring use when none is given;
 * tensor helpers: :func:`tensor_leaves`, :func:`is_fake`, :func:`clone_layout` (storages:
-  :mod:`ckptopt.storages`).
+  :mod:`ckptopt.storages`; a fake-tensor copy of a model and its inputs: :mod:`ckptopt.fake`);
+* why a fake run or a capture failed: :func:`data_dependent_construct`, :func:`source_line`,
+  :func:`own_checkpointing_hint`;
+* a model's plain-Python state, to restore it after its forward ran: :func:`python_state`,
+  :func:`restore_python_state`, :func:`describe_value`;
+* the model and its device, leaving no state behind: :func:`check_module`,
+  :func:`resolve_device`, :func:`no_lasting_state`, :func:`inspected_by_type`;
+  :func:`inputs_from_list` (a graph that frees each input after its last use).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def peak_estimate(rank: RankCosts, plan: Plan | tuple[int, ...], opt: OptimizerM
     Parameters
     ----------
     rank : RankCosts
-        The rank's step (:func:`ckptopt.planning.parallel.rank_costs`; one process: ``single_rank``).
+        The rank's step (:func:`ckptopt.planning.ranks.rank_costs`; one process: ``single_rank``).
     plan : Plan or tuple of int
         The plan (a tuple: segment-start layers, every segment but the last checkpointed).
     opt : OptimizerMemory
@@ -259,8 +259,9 @@ def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
     if none.peak_bytes <= budget:
         return none
     if costs.side:
-        # the side-tensor Pareto program is bounded here (a large LM's took 104 s unbounded): beyond
-        # the bound, None, and the caller keeps the lowest-peak plan (same step peak, maybe more recomputation)
+        # the side-tensor Pareto program is bounded here (unbounded, it takes 104 s on the 290 layers of an
+        # 8B-wide Llama, docs/design.md §5): beyond the bound, None, and the caller keeps the lowest-peak
+        # plan (same step peak, maybe more recomputation)
         try:
             found = least_recompute(costs, budget, True, max_work=LEAST_RECOMPUTE_MAX_WORK)
         except FrontTooLarge:
@@ -336,7 +337,7 @@ def sharded_leaves(model, parallel: Parallel | None, leaf_modules):
 
 def trainable_sizes(model) -> list[int]:
     """Bytes of each distinct trainable parameter, in ``model.parameters()`` order (by storage:
-    :func:`~ckptopt.torch_utils.distinct_storages`, which tells meta storages apart)."""
+    :func:`~ckptopt.storages.distinct_storages`, which tells meta storages apart)."""
     return [storage_nbytes(p) for p in distinct_storages(p for p in model.parameters() if p.requires_grad)]
 
 

@@ -3,9 +3,9 @@
 The cost model predicts the bytes of live tensors (plus, once calibrated, library
 workspaces and operator scratch). A caching allocator needs more than that to serve
 them: it rounds blocks up and fragments, so that ``torch.cuda.max_memory_reserved``
-runs above ``max_memory_allocated``; a batch whose predicted peak equals the device's
-memory then runs out of memory (6 of 8 such answers did on an H100,
-``../shared/GPU_MEASUREMENTS.md`` §2). A :class:`Headroom` states what is kept:
+runs above ``max_memory_allocated`` (by 0.7% to 15.9% at the largest batches that fit under
+an 8 GiB cap: ``benchmarks/RESULTS.md``, "Max batch on the GPU"), and a batch whose predicted
+peak equals the device's memory runs out of it. A :class:`Headroom` states what is kept:
 
 * ``workspace_bytes``: library workspace not in the cost model (zero when the costs
   were calibrated: it is in their static bytes);
@@ -13,7 +13,8 @@ memory then runs out of memory (6 of 8 such answers did on an H100,
   allocated), measured on the device when it can be, else a stated default;
 * ``checkpointed_fraction``: the same for a plan that checkpoints, whose recomputation
   allocates and frees blocks of many sizes between the backward's: the default allocator
-  fragments more there (``benchmarks/gpu_max_batch.py``, RESULTS "Max batch on CUDA").
+  fragments more there (``benchmarks/gpu_max_batch.py``; ``benchmarks/RESULTS.md``, "Max batch on
+  the GPU").
   Its expandable segments (``PYTORCH_ALLOC_CONF=expandable_segments:True``) map memory
   to blocks as needed and keep the overhead small either way.
 
@@ -32,8 +33,9 @@ __all__ = ["Headroom", "CUDA_DEFAULT_FRACTION", "CUDA_CHECKPOINTED_FRACTION", "C
            "device_free_memory", "device_budget", "measure_cuda_workspace", "measure_allocator_overhead"]
 
 #: The allocator overhead assumed on CUDA when none was measured: above the largest
-#: reserved/allocated excess seen on an H100 with the default allocator (GPT, batch 7:
-#: 8.16 GB reserved for 7.67 GB allocated, +6.4%; GPU_MEASUREMENTS.md §2).
+#: reserved/allocated excess measured without checkpointing under the default allocator: +6.4% on
+#: an H100 (GPT, batch 7: 8.16 GB reserved for 7.67 GB allocated), 3.4-7.2% at the largest batch that
+#: fit under an 8 GiB cap on an H200 (``benchmarks/gpu_max_batch.py``; RESULTS.md, "Max batch on the GPU").
 CUDA_DEFAULT_FRACTION = 0.10
 
 #: The overhead assumed for a checkpointed plan under the default allocator: above the 12.4% a
@@ -47,7 +49,7 @@ CUDA_EXPANDABLE_FRACTION = 0.05
 
 #: The library workspace assumed on CUDA when it cannot be measured (planning for a GPU this
 #: machine does not have): the fixed per-process workspace seen on an H100 once the first matrix
-#: product ran, 65-70 MB on every model with a Linear layer (GPU_MEASUREMENTS.md §1); the upper end.
+#: product ran, 65-70 MB on every model with a Linear layer (``docs/gpu.md``); the upper end.
 CUDA_DEFAULT_WORKSPACE = 70_000_000
 
 

@@ -11,13 +11,14 @@ as the trainable parameters, and keeps them for the whole run. With the default
 buckets come on top of everything (measured with the exact tracker on gloo, 2 and 4 ranks:
 the step's peak is the single process's plus the buckets, to the byte). With
 ``gradient_as_bucket_view=True`` the gradients are views into the buckets: a gradient
-autograd computes is copied into its bucket and freed, so the parameter bytes no longer
+autograd computes is copied into its bucket and freed, so the parameter bytes do not
 accumulate during the backward (a layer's backward still holds its new gradients until
 they are copied, as its backward transient ``b`` already counts). ``bucket_cap_mb`` changes
 how the buffer is split, not its size.
 
 **FSDP2** (``fully_shard`` on each repeated block, then on the root; the default
-``reshard_after_forward``): see :class:`FsdpLayout` and :func:`rank_costs`.
+``reshard_after_forward``): see :mod:`ckptopt.planning.fsdp`
+(:func:`~ckptopt.planning.fsdp.fsdp_rank_costs`).
 
 No torch import: the per-parameter facts (sizes, first dimensions, which unit owns them,
 which layers use them) come from :mod:`ckptopt.planning.units`; :func:`ckptopt.planning.ranks.rank_costs`
