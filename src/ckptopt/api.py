@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -103,8 +104,8 @@ def optimize_checkpoints(
         In eval mode, under ``torch.no_grad()`` and for calls that do not match
         the planned signature, a ``torch.export``-captured model runs its own
         forward. When no plan beats no checkpointing it runs the model unchanged
-        and says so in ``explain()``. Before it is returned, one training step runs
-        through it on a fake-tensor copy (no memory, the model untouched).
+        and says so in ``explain()``. Before it is returned (unless sharded with FSDP2),
+        one training step runs through it on a fake-tensor copy (no memory, the model untouched).
 
     Raises
     ------
@@ -121,29 +122,71 @@ def optimize_checkpoints(
     >>> fast(torch.randn(32, 64)).shape
     torch.Size([32, 64])
     """
-    lookup(solver)  # fail on a bad name before tracing
-    check_capture_mode(capture)
-    if budget is not None and budget != "device":
-        check_budget(budget)  # and on a bad budget
-    from .inplace import attach, attached, detach, inspected_by_type
-
-    from .inplace import planning_now
-    from .tracer.meta import refuse_meta
-
-    refuse_meta(model, normalize_inputs(example_inputs), "optimize_checkpoints")
-    if attached(model) is not None and not planning_now(model):  # planned before: plan again from its own forward
-        detach(model)
-    state = python_state(model) if isinstance(model, nn.Module) else PythonState([], [], {})
+    _check_arguments(model, example_inputs, solver, capture, budget)
+    _detach_earlier_plan(model)
     sharded = parallel is not None and parallel.strategy == "fsdp"
     if sharded:
         from .planning.estimate import sharded_leaves
-        from .tracer.capture.blocks import rebind
 
         leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-    from .planning.estimate import calibration_choice
+    tm = _traced_and_checked(model, example_inputs, parallel, loss_fn, leaf_modules, capture)
+    device = _device_of(model)
+    tm = _calibrated(model, tm, example_inputs, calibrate, parallel, device)
+    if budget == "device":
+        from .planning import device_budget
+
+        budget = device_budget(device, calibrated=tm.calibration is not None)
+    plan = _rank_plan(model, tm, parallel, solver, budget) if parallel is not None else _plan(tm, solver, budget)
+    module = apply_plan(model, tm, plan)
+    if sharded:
+        _fully_shard(model, module, leaf_modules, parallel)
+        from .tracer.capture.blocks import rebind
+
+        rebind(tm.gm, model)
+    else:
+        _verify_training_step(module, example_inputs, loss_fn)
+        if tm.capture is not None and tm.capture.front_end != "fx":
+            _replan_other_calls(model, module, _Replan(solver=solver, budget=budget, loss_fn=loss_fn,
+                                                       leaf_modules=leaf_modules, capture=capture,
+                                                       calibrate=calibrate))
+    from .inplace import attach, inspected_by_type
+
+    if in_place if in_place is not None else inspected_by_type(model):
+        return attach(model, module)
+    return module
+
+
+def _check_arguments(model: nn.Module, example_inputs: Any, solver: str, capture: str, budget) -> None:
+    """Fail before tracing on a bad solver name, capture mode or budget, or a model or inputs on
+    the meta device."""
+    from .tracer.meta import refuse_meta
+
+    lookup(solver)
+    check_capture_mode(capture)
+    if budget is not None and budget != "device":
+        check_budget(budget)
+    refuse_meta(model, normalize_inputs(example_inputs), "optimize_checkpoints")
+
+
+def _detach_earlier_plan(model: nn.Module) -> None:
+    """Detach a plan attached to ``model`` before, so that it is planned again from its own forward
+    (not while that plan replans a call of another structure)."""
+    from .inplace import attached, detach, planning_now
+
+    if attached(model) is not None and not planning_now(model):
+        detach(model)
+
+
+def _traced_and_checked(model: nn.Module, example_inputs: Any, parallel, loss_fn: Callable | None,
+                        leaf_modules, capture: str):
+    """The rank's traced model, its forward checked for Python side effects (a note on the capture
+    when the check could not run). The model's plain-Python state is restored afterwards: FX runs
+    the forward's Python code on the model itself. Under FSDP2's mixed precision the trace is of a
+    copy in the compute dtype."""
     from .planning.units import rank_trace
 
-    try:  # (under FSDP2's mixed precision: planned on a copy in the compute dtype)
+    state = python_state(model) if isinstance(model, nn.Module) else PythonState(attrs=[], keys=[], contents={})
+    try:
         tm = rank_trace(model, normalize_inputs(example_inputs), parallel, loss_fn=loss_fn,
                         leaf_modules=leaf_modules, capture=capture)
         front_end = tm.capture.front_end if tm.capture is not None else "fx"
@@ -151,45 +194,57 @@ def optimize_checkpoints(
         if note and tm.capture is not None:
             tm.capture.notes.append(note)
     finally:
-        restore_python_state(state)  # FX runs the forward's Python code on the model itself
-    device = _device_of(model)
-    if calibration_choice(calibrate, str(device), str(device), parallel):
-        from .calibration import calibrate as run_calibration
+        restore_python_state(state)
+    return tm
 
-        cal = run_calibration(model, tm, example_inputs)
-        tm = dataclasses.replace(tm, costs=cal.apply(tm.costs), calibration=cal)
-    if budget == "device":
-        from .planning import device_budget
 
-        budget = device_budget(device, calibrated=tm.calibration is not None)
-    if parallel is not None:
-        plan = _rank_plan(model, tm, parallel, solver, budget)
-    else:
-        plan = solve(tm.costs, solver, budget=budget)
-        base = simulate(tm.costs, ())
-        if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
-            plan = Plan((), base.peak_bytes, plan.solver, plan.solve_seconds, plan.n)
-    module = apply_plan(model, tm, plan)
-    if not sharded:
-        _verify_training_step(module, example_inputs, loss_fn)
-    if sharded:
-        _fully_shard(model, module, leaf_modules, parallel)
-        rebind(tm.gm, model)
-    if tm.capture is not None and tm.capture.front_end != "fx" and not sharded:
-        # a training call of another structure (a keyword HF's Trainer adds, num_items_in_batch; another
-        # shape of a capture made at the example's shapes only) is planned the same way on first sight
-        def replan(call):
-            from .inplace import planning
+def _calibrated(model: nn.Module, tm, example_inputs: Any, calibrate: bool | None, parallel, device: torch.device):
+    """``tm`` with its costs calibrated on the device when ``calibrate`` (or its default) says so."""
+    from .planning.estimate import calibration_choice
 
-            with planning(model):
-                return optimize_checkpoints(model, call, solver=solver, budget=budget, loss_fn=loss_fn,
-                                            leaf_modules=leaf_modules, capture=capture, calibrate=calibrate,
-                                            in_place=False)
+    if not calibration_choice(calibrate, str(device), str(device), parallel):
+        return tm
+    from .calibration import calibrate as run_calibration
 
-        object.__setattr__(module, "_replan", replan)
-    if in_place if in_place is not None else inspected_by_type(model):
-        return attach(model, module)
-    return module
+    cal = run_calibration(model, tm, example_inputs)
+    return dataclasses.replace(tm, costs=cal.apply(tm.costs), calibration=cal)
+
+
+def _plan(tm, solver: str, budget: int | None) -> Plan:
+    """The plan for one process: none (no checkpoint) when the solver's plan peaks no lower than
+    training without checkpoints."""
+    plan = solve(tm.costs, solver, budget=budget)
+    base = simulate(tm.costs, ())
+    if plan.peak_bytes >= base.peak_bytes and plan.checkpoints:
+        return Plan(checkpoints=(), peak_bytes=base.peak_bytes, solver=plan.solver, solve_seconds=plan.solve_seconds,
+                    n=plan.n)
+    return plan
+
+
+@dataclass(frozen=True)
+class _Replan:
+    """The arguments a call of another structure is planned with (``budget`` in bytes)."""
+
+    solver: str
+    budget: int | None
+    loss_fn: Callable | None
+    leaf_modules: Iterable[str | type] | None
+    capture: str
+    calibrate: bool | None
+
+
+def _replan_other_calls(model: nn.Module, module: nn.Module, again: _Replan) -> None:
+    """Plan a training call of another structure the same way on first sight: a keyword HF's Trainer
+    adds (``num_items_in_batch``), or shapes other than the example's, at which the capture was made."""
+    def replan(call):
+        from .inplace import planning
+
+        with planning(model):
+            return optimize_checkpoints(model, call, solver=again.solver, budget=again.budget, loss_fn=again.loss_fn,
+                                        leaf_modules=again.leaf_modules, capture=again.capture,
+                                        calibrate=again.calibrate, in_place=False)
+
+    object.__setattr__(module, "_replan", replan)
 
 
 def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
@@ -376,7 +431,8 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
                 "leaf_modules=[...] so it runs as Python every step.", node=name) from exc
         raise TraceError(
             f"{name} was captured, but running its forward again on a fake-tensor copy (ckptopt's check for "
-            f"Python side effects in forward) failed: {_first_line(exc)}{' at ' + line if line else ''}. If the forward runs on these inputs outside ckptopt, skip the "
+            f"Python side effects in forward) failed: {_first_line(exc)}{' at ' + line if line else ''}. "
+            "If the forward runs on these inputs outside ckptopt, skip the "
             "check: ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
             node=name,
         ) from exc
