@@ -156,6 +156,78 @@ def recompute_span(l, r, K):
 
 
 @njit(cache=True)
+def segment_hold(l, r, unwrapped, prev_keeps, full, K):
+    """``(c, live_in)``: the checkpoint segment ``[l, r]`` holds itself (:func:`held_checkpoint`), and the
+    bytes of its input that no checkpoint holds but that are live while it runs forward; both 0 when the
+    previous segment is stored and keeps that input."""
+    if prev_keeps:
+        return 0, 0
+    c = held_checkpoint(l, r, unwrapped, full, K)
+    return c, (K.ck[l] - c if l > 0 else 0)
+
+
+@njit(cache=True)
+def after_segment(l, r, stored, K):
+    """``(kept, prev_keeps)`` after segment ``[l, r]``: a stored segment keeps what its layers save for every
+    later segment, and its output too when its last layer saves it (the next segment's input is held)."""
+    if stored:
+        return K.P[r] - K.P[l] + K.keep[r], K.sout[r] != 0
+    return 0, False
+
+
+@njit(cache=True)
+def first_forward_term(l, unwrapped, prev_keeps, K):
+    """The forward transient of a segment's first layer: an unwrapped segment's input that nothing holds
+    (no save, no earlier segment) dies at its last use in it (``ff``); a checkpointed segment's first pass
+    keeps none of the saves (``fc``)."""
+    if unwrapped:
+        return K.ff[l] if l > 0 and not prev_keeps and K.sin[l] == 0 else K.f[l]
+    return K.fc[l]
+
+
+@njit(cache=True)
+def recompute_term(l, i, e, partial, K):
+    """Layer ``i``'s term in the recomputation of a segment from ``l`` that runs to layer ``e`` (to its last
+    saved tensor when ``partial``): what the recomputed layers before it keep, its input and transient;
+    the gradients held then (``rb``) come on top."""
+    stop = partial and i == e
+    if i == l:
+        return K.fs[l] if stop else K.f[l]
+    return K.P[i] - K.P[l] + (K.qs[i] if stop else K.qf[i])
+
+
+@njit(cache=True)
+def frame_freed_before(l, r, unwrapped, prev_keeps, full, K):
+    """The layer before whose backward a checkpointed segment's frame still holds its input: the frame goes
+    once the segment's last saved tensor is released, mid-way through its first saving layer's backward,
+    so the layers before that one run their backward without the checkpoint (``l``: no such layer)."""
+    if full and not unwrapped and l > 0 and not prev_keeps:
+        u = first_saving(l, r, K)
+        if u <= r:  # (a segment that saves nothing holds no checkpoint)
+            return u
+    return l
+
+
+@njit(cache=True)
+def backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, full, K):
+    """Layer ``i``'s backward term in segment ``[l, r]``: what the layers before it keep (up to the trigger,
+    after which the saves are gone), its saves, output gradient, transient and the later parameters'
+    gradients, as its input is held (the previous segment, the checkpoint's frame, nothing) and its saves
+    are kept (autograd) or recomputed (a checkpointed segment); less the checkpoint the frame let go."""
+    q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
+    if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
+        q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
+    if full and not unwrapped and i == trigger:  # (from its first read on: the part before is rbp)
+        q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
+    v = K.P[i] - K.P[l] + q if i <= trigger else q
+    if i < freed_before:
+        v -= K.ck[l]
+    elif i == freed_before and i > l:  # (it lets the checkpoint go mid-way through its backward)
+        v += K.ckf[l]
+    return v
+
+
+@njit(cache=True)
 def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
@@ -180,9 +252,7 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
     if full:
         # an unwrapped segment's input that nothing holds (no save, no earlier segment) dies at its
         # last use in the first layer
-        free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
-        # (a checkpointed segment's first pass keeps none of the saves: fc)
-        v = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + (fadd[l] if add else 0)
+        v = first_forward_term(l, unwrapped, prev_keeps, K) + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
@@ -196,13 +266,8 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 if v > best:
                     best, phase, layer = v, 0, i
             trigger, e, partial = recompute_span(l, r, K)
-            base = K.rb[r]
             for i in range(l, e + 1):
-                stop = partial and i == e
-                if i == l:
-                    v = base + (K.fs[l] if stop else K.f[l])
-                else:
-                    v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
+                v = K.rb[r] + recompute_term(l, i, e, partial, K)
                 if add:
                     v += radd[i]
                 if v > best:
@@ -211,24 +276,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 v = K.rbp[r] + (radd[l] if add else 0)
                 if v > best:
                     best, phase, layer = v, 2, trigger
-    # A checkpoint's frame, which holds the segment's input, goes once the segment's last saved
-    # tensor is released: the layers before its first saving layer run their backward without it.
-    freed_before = l
-    if full and not unwrapped and l > 0 and not prev_keeps:
-        freed_before = first_saving(l, r, K)
-        if freed_before > r:  # it saves nothing: it holds no checkpoint
-            freed_before = l
+    freed_before = frame_freed_before(l, r, unwrapped, prev_keeps, full, K)
     for i in range(r, l - 1, -1):
-        q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
-        if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
-            q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
-        if full and not unwrapped and i == trigger:  # (from its first read on: the part before is rbp)
-            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
-        v = K.P[i] - Pl + q if i <= trigger else q
-        if i < freed_before:
-            v -= K.ck[l]
-        elif i == freed_before and i > l:  # (it lets the checkpoint go mid-way through its backward)
-            v += K.ckf[l]
+        v = backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, full, K)
         if add:
             v += badd[i]
         if v > best:
@@ -248,8 +298,7 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
     for t in range(3 * w):
         out[t] = NEG
     Pl = K.P[l]
-    free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
-    out[0] = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + fadd[l]
+    out[0] = first_forward_term(l, unwrapped, prev_keeps, K) + live_in + fadd[l]
     trigger = r
     if unwrapped:
         for i in range(l + 1, r + 1):
@@ -258,33 +307,13 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         for i in range(l + 1, r + 1):
             out[i - l] = K.fw[i] + live_in + fadd[i]
         trigger, e, partial = recompute_span(l, r, K)
-        base = K.rb[r]
         for i in range(l, e + 1):
-            stop = partial and i == e
-            if i == l:
-                v = base + (K.fs[l] if stop else K.f[l])
-            else:
-                v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
-            out[w + i - l] = v + radd[i]
+            out[w + i - l] = K.rb[r] + recompute_term(l, i, e, partial, K) + radd[i]
         if trigger >= l and K.rbp[r] + radd[l] > out[w]:  # (the trigger's first part: with layer l's
             out[w] = K.rbp[r] + radd[l]                    # recomputation term, the same side addends)
-    freed_before = l
-    if not unwrapped and l > 0 and not prev_keeps:
-        freed_before = first_saving(l, r, K)
-        if freed_before > r:
-            freed_before = l
+    freed_before = frame_freed_before(l, r, unwrapped, prev_keeps, True, K)
     for i in range(r, l - 1, -1):
-        q = K.qb[i] if unwrapped else K.qbr[i]
-        if i == l and l > 0 and not prev_keeps:
-            q = K.qbf[i] if unwrapped else K.qbkr[i]
-        if not unwrapped and i == trigger:
-            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
-        v = K.P[i] - Pl + q if i <= trigger else q
-        if i < freed_before:
-            v -= K.ck[l]
-        elif i == freed_before and i > l:
-            v += K.ckf[l]
-        out[2 * w + i - l] = v + badd[i]
+        out[2 * w + i - l] = backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, True, K) + badd[i]
 
 
 @njit(cache=True)
@@ -309,22 +338,14 @@ def simulate_plan(starts, stored, n, full, K):
         r = starts[k + 1] - 1 if k + 1 < m else n - 1
         last = k == m - 1
         st = last or stored[k] != 0
-        if prev_keeps:
-            c = 0
-            live_in = 0
-        else:
-            c = held_checkpoint(l, r, st, full, K)
-            live_in = K.ck[l] - c if k > 0 else 0
+        c, live_in = segment_hold(l, r, st, prev_keeps, full, K)
         held += c
         v, ph, ly = segment_peak(l, r, st, full, K, live_in, prev_keeps)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
-        if st and not last:
-            held += K.P[r] - K.P[l] + K.keep[r]
-            prev_keeps = K.sout[r] != 0
-        else:
-            prev_keeps = False
+        kept, prev_keeps = after_segment(l, r, st and not last, K)
+        held += kept
     return best, phase, layer, seg
 
 

@@ -16,7 +16,8 @@ from ..plan import Solution
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, segment_peak, simulate_plan
 from .limits import BRUTE_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
 from .pareto import FrontTooLarge, least_recompute
-from .rows import plan_from_choice, segment_row
+from .rows import (better_lex, checkpoints_of_mask, plan_from_choice, segment_row, segment_row_buffers, starts_of_mask,
+                   with_live_in)
 from . import side_tensors
 
 __all__ = ["brute", "dp", "dp2"]
@@ -160,15 +161,11 @@ def dp_quadratic(n, full, K):
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
-    Dc0 = np.empty(n, dtype=np.int64)
-    Dc1 = np.empty(n, dtype=np.int64)
-    Ds0 = np.empty(n, dtype=np.int64)
-    Ds1 = np.empty(n, dtype=np.int64)
-    hold = np.empty(n, dtype=np.int64)
-    rec = np.empty(n, dtype=np.int64)
+    row = segment_row_buffers(n)
+    Dc0, Ds0, hold = row.Dc0, row.Ds0, row.hold
     Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
+        segment_row(l, n, full, K, Cpre, row)
         bestv = BIG
         bestr = -1
         for r in range(l, n):
@@ -178,10 +175,7 @@ def dp_quadratic(n, full, K):
             else:
                 c = hold[r]
                 d = Dc0[r]
-            if l > 0 and c == 0:  # the input is live while the first layer runs
-                v = K.ck[l] + ((K.ff[l] if K.sin[l] == 0 else K.f[l]) if r == n - 1 else K.fc[l])
-                if v > d:
-                    d = v
+            d = with_live_in(l, c, 0, d, K, r == n - 1)  # (the input is live while the first layer runs)
             rest = V[r + 1]
             val = c + (d if d > rest else rest)
             if val <= bestv:
@@ -201,27 +195,14 @@ def brute_force_lex(n, full, K, Cpre):
     best_rec = BIG
     best_mask = 0
     for mask in range(1 << (n - 1)):
-        starts[0] = 0
-        m = 1
-        for j in range(n - 1):
-            if (mask >> j) & 1:
-                starts[m] = j + 1
-                m += 1
+        m = starts_of_mask(mask, n, starts)
         v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
         if v > best:
             continue
         rc = plan_recompute(starts[:m], zeros[:m], n, full, K, Cpre)
-        if v < best or rc < best_rec:
-            best = v
-            best_rec = rc
-            best_mask = mask
-    out = np.empty(n, dtype=np.int64)
-    m = 0
-    for j in range(n - 1):
-        if (best_mask >> j) & 1:
-            out[m] = j + 1
-            m += 1
-    return best, best_rec, out[:m]
+        if better_lex(v, rc, best, best_rec):
+            best, best_rec, best_mask = v, rc, mask
+    return best, best_rec, checkpoints_of_mask(best_mask, n)
 
 
 def warmup(K, cpre) -> None:

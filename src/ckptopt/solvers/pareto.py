@@ -24,7 +24,7 @@ from numba import njit
 from ..costs import ChainCosts
 from ..simulator.kernels import BIG, held_checkpoint
 from .fronts import add_point, add_suffix_points, front_plans, grow_points, keep_front, points
-from .rows import segment_row, with_live_in
+from .rows import segment_row, segment_row_buffers, with_live_in
 
 __all__ = ["FrontPoint", "pareto_front", "least_recompute", "merge_unwrapped", "FrontTooLarge"]
 
@@ -152,16 +152,12 @@ def min_held_prefix(n, full, K, Cpre, cap, allow_stored):
     """
     Hmin = np.full(2 * n + 2, BIG, dtype=np.int64)
     Hmin[0] = 0
-    Dc0 = np.empty(n, dtype=np.int64)
-    Dc1 = np.empty(n, dtype=np.int64)
-    Ds0 = np.empty(n, dtype=np.int64)
-    Ds1 = np.empty(n, dtype=np.int64)
-    hold = np.empty(n, dtype=np.int64)
-    rec = np.empty(n, dtype=np.int64)
+    row = segment_row_buffers(n)
+    Dc0, Dc1, Ds0, Ds1, hold = row.Dc0, row.Dc1, row.Ds0, row.Ds1, row.hold
     for l in range(n - 1):
         if Hmin[2 * l] >= BIG and Hmin[2 * l + 1] >= BIG:
             continue
-        segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
+        segment_row(l, n, full, K, Cpre, row)
         hu = held_checkpoint(l, l, True, full, K)
         for flag in range(2):
             H = Hmin[2 * l + flag]
@@ -214,12 +210,8 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
     and returns ``complete = False`` with an empty front.
     """
     Hmin = min_held_prefix(n, full, K, Cpre, cap, allow_stored)
-    Dc0 = np.empty(n, dtype=np.int64)
-    Dc1 = np.empty(n, dtype=np.int64)
-    Ds0 = np.empty(n, dtype=np.int64)
-    Ds1 = np.empty(n, dtype=np.int64)
-    hold = np.empty(n, dtype=np.int64)
-    rec = np.empty(n, dtype=np.int64)
+    row = segment_row_buffers(n)
+    Dc0, Dc1, Ds0, Ds1, hold, rec = row.Dc0, row.Dc1, row.Ds0, row.Ds1, row.hold, row.rec
     pool = points(1024)  # every state's front (fronts.py)
     used = 0
     first = np.zeros(2 * n + 2, dtype=np.int64)
@@ -235,7 +227,7 @@ def pareto_plans(n, full, K, Cpre, cap, allow_stored, max_work):
             if Hmin[st] >= BIG:
                 continue
             if not row_done:
-                segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec)
+                segment_row(l, n, full, K, Cpre, row)
                 row_done = True
             work += n - l
             limit = cap - Hmin[st]

@@ -11,22 +11,43 @@ the simulator's kernels, checks the two agree
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from ..simulator.kernels import NEG
 
-__all__ = ["segment_row", "with_live_in", "plan_from_choice", "grow"]
+__all__ = ["SegmentRow", "segment_row_buffers", "segment_row", "with_live_in", "plan_from_choice", "grow",
+           "starts_of_mask", "checkpoints_of_mask", "better_lex"]
+
+
+class SegmentRow(NamedTuple):
+    """Per last layer ``r``, the segments ``[l, r]`` of one ``l`` (:func:`segment_row`)."""
+
+    Dc0: np.ndarray  #: peak checkpointed, the input not kept by the previous segment
+    Dc1: np.ndarray  #: peak checkpointed, the input kept by a stored previous segment
+    Ds0: np.ndarray  #: peak unwrapped (stored or last), the input not kept
+    Ds1: np.ndarray  #: peak unwrapped, the input kept
+    hold: np.ndarray  #: the checkpoint it holds when checkpointed
+    rec: np.ndarray  #: the compute it re-runs when checkpointed
 
 
 @njit(cache=True)
-def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
+def segment_row_buffers(n):
+    """An empty :class:`SegmentRow` for ``n`` layers."""
+    return SegmentRow(np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64),
+                      np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64))
+
+
+@njit(cache=True)
+def segment_row(l, n, full, K, Cpre, row):
     """Every segment ``[l, r]``, r = l..n-1, in O(n - l): each entry costs O(1)
     after the previous one (running maxima; the recomputation term is ``rb[r]``
     plus a running maximum taken up to the last layer the recomputation
     runs, which only moves forward with ``r``).
 
-    Fills, relative to the segment's checkpoints and without the live-input
+    Fills ``row`` (:class:`SegmentRow`), relative to the segment's checkpoints and without the live-input
     term (the caller adds ``ck[l] + f[l]`` when nothing holds the input), with
     the suffix the flag of the state: 1 when the previous segment is stored and
     keeps the segment's input (then the first layer's backward takes ``qb``), 0
@@ -49,6 +70,7 @@ def segment_row(l, n, full, K, Cpre, Dc0, Dc1, Ds0, Ds1, hold, rec):
     One loop by design: it is the inner loop of the O(n^2) programs, and each of its fourteen running
     values changes with every ``r``; split into calls, all of them would be passed in and out per layer.
     """
+    Dc0, Dc1, Ds0, Ds1, hold, rec = row.Dc0, row.Dc1, row.Ds0, row.Ds1, row.hold, row.rec
     Pl = K.P[l]
     first = l > 0  # the first layer's input may be held by the previous segment or not
     bwd1 = NEG  # backward terms, running max: the input held by the previous segment ...
@@ -195,3 +217,31 @@ def grow(arr, size):
     out = np.empty(max(2 * arr.shape[0], size), dtype=arr.dtype)
     out[: arr.shape[0]] = arr
     return out
+
+
+@njit(cache=True)
+def starts_of_mask(mask, n, out):
+    """The segment starts of the plan ``mask`` names (bit ``j``: layer ``j + 1`` starts a segment), layer 0
+    first, written to ``out``; returns how many."""
+    out[0] = 0
+    m = 1
+    for j in range(n - 1):
+        if (mask >> j) & 1:
+            out[m] = j + 1
+            m += 1
+    return m
+
+
+@njit(cache=True)
+def checkpoints_of_mask(mask, n):
+    """The checkpoints (segment starts after 0) of the plan ``mask`` names."""
+    out = np.empty(n, dtype=np.int64)
+    m = starts_of_mask(mask, n, out)
+    return out[1:m].copy()
+
+
+@njit(cache=True)
+def better_lex(v, rc, best, best_rec):
+    """Whether a plan of peak ``v`` and recomputation ``rc`` beats the best so far: a lower peak, then
+    less recomputation (the first found wins ties)."""
+    return v < best or (v == best and rc < best_rec)

@@ -26,9 +26,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, recompute_span, segment_peak_add, segment_terms
+from ..simulator.kernels import (BIG, NEG, plan_recompute, recompute_span, segment_hold, segment_peak_add,
+                                 segment_terms)
 from ..simulator.side_tensors import frame_split, joint_order, side_scratch, side_terms, side_terms_frame, simulate_plan_side
 from .fronts import PEAK, add_point, add_suffix_points, front_plans, grow_points, keep_front, points
+from .rows import better_lex, checkpoints_of_mask, starts_of_mask
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
 
@@ -76,12 +78,7 @@ def saved_floor(l, r, K):
 def _segment(l, r, kind, flag, S, K, SD, sc):
     """(c, D, held, S2) of segment [l, r] of kind 0 checkpointed, 1 stored, 2 last."""
     unwrapped = kind != 0
-    if flag:
-        c = 0
-        live_in = 0
-    else:
-        c = held_checkpoint(l, r, unwrapped, True, K)
-        live_in = K.ck[l] - c if l > 0 else 0
+    c, live_in = segment_hold(l, r, unwrapped, flag != 0, True, K)
     held, S2 = side_terms(l, r, unwrapped, flag != 0, S, K, SD, sc)
     D = segment_peak_add(l, r, unwrapped, True, K, live_in, flag != 0, sc.fadd, sc.radd, sc.badd, True)[0]
     return c, D, held, S2
@@ -103,12 +100,7 @@ def _segment_masks(l, r, kind, flag, K, SD, sc, ms):
     passes. Exact: ``tests/test_side_tensors.py::test_segments_scored_for_every_mask_at_once`` checks
     it against :func:`_segment` for every mask."""
     unwrapped = kind != 0
-    if flag:
-        c = 0
-        live_in = 0
-    else:
-        c = held_checkpoint(l, r, unwrapped, True, K)
-        live_in = K.ck[l] - c if l > 0 else 0
+    c, live_in = segment_hold(l, r, unwrapped, flag != 0, True, K)
     nb = SD.bptr[l + 1] - SD.bptr[l]
     held0, S20, frame0, fsv, anyframe = _mask_coefficients(l, r, unwrapped, flag, live_in, nb, K, SD, sc, ms)
     G = _merged_terms(l, r, flag, nb, fsv, frame0, anyframe, K, SD, sc.joint, ms)
@@ -685,27 +677,14 @@ def brute_side(n, K, SD, Cpre, sc):
     best_rec = BIG
     best_mask = 0
     for mask in range(1 << (n - 1)):
-        starts[0] = 0
-        m = 1
-        for j in range(n - 1):
-            if (mask >> j) & 1:
-                starts[m] = j + 1
-                m += 1
+        m = starts_of_mask(mask, n, starts)
         v = simulate_plan_side(starts[:m], zeros[:m], n, K, SD, sc)[0]
         if v > best:
             continue
         rc = plan_recompute(starts[:m], zeros[:m], n, True, K, Cpre)
-        if v < best or rc < best_rec:
-            best = v
-            best_rec = rc
-            best_mask = mask
-    out = np.empty(n, dtype=np.int64)
-    m = 0
-    for j in range(n - 1):
-        if (best_mask >> j) & 1:
-            out[m] = j + 1
-            m += 1
-    return best, best_rec, out[:m]
+        if better_lex(v, rc, best, best_rec):
+            best, best_rec, best_mask = v, rc, mask
+    return best, best_rec, checkpoints_of_mask(best_mask, n)
 
 
 
