@@ -62,7 +62,8 @@ def test_every_solver_reports_the_simulated_peak_and_none_beats_the_optimum(c):
 def test_exact_kernels_report_the_value_of_their_plan(c):
     full, K = True, c.kernel_arrays
     cpre = np.concatenate([[0], np.cumsum(c.c)]).astype(np.int64)
-    brute = lambda n, full, K: exact.brute_force_lex(n, full, K, cpre)[::2]  # (value, plan)
+    SD, sc, side = exact._side_context(c)
+    brute = lambda n, full, K: exact.brute_force_lex(n, full, K, cpre, SD, sc, side)[::2]  # (value, plan)
     for kern in (exact.dp_cubic, exact.dp_quadratic, brute):
         value, plan = kern(c.n, full, K)
         assert int(value) + c.static == simulate(c, tuple(int(x) for x in plan)).peak_bytes

@@ -250,16 +250,10 @@ def measure_plans_fake(model: nn.Module, example_inputs: Any, traced: TracedMode
     return [m.peak_bytes for m in fake_peaks(model, inputs, loss_fn, plans, lambda fm, p: apply(fm, traced, p))]
 
 
-def measure_peak_detailed(
-    model: nn.Module,
-    example_inputs: Any,
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    checkpoints: Any = None,
-    device: Any = None,
-    fake: bool = False,
-    keep_output: bool = False,
-) -> PeakMeasurement:
-    """Like :func:`measure_peak`, with the reserved bytes, device and timeline.
+def measure_peak_detailed(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                          *, checkpoints: Any = None, device: Any = None, fake: bool = False,
+                          keep_output: bool = False) -> PeakMeasurement:
+    """Like :func:`measure_peak` (the same arguments), with the reserved bytes, device and timeline.
 
     Returns
     -------
@@ -385,7 +379,8 @@ def measure_peak(
     >>> measure_peak(lin, x)  # W + X + grad(Y) + grad(W) + 8 (loss, its seed grad)
     16120008
     """
-    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints, device, fake, keep_output).peak_bytes
+    return measure_peak_detailed(model, example_inputs, loss_fn, checkpoints=checkpoints, device=device, fake=fake,
+                                 keep_output=keep_output).peak_bytes
 
 
 # --------------------------------------------------------------------------
@@ -445,11 +440,7 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
     opt = make_optimizer(params, optimizer, impl)
     tensors = inputs.tensors()
     with no_lasting_state(module, tensors, torch.device("cpu")):
-        if opt is not None:
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _optimizer_state(opt, params)
         state = [t for st in (opt.state.values() if opt is not None else ()) for t in st.values()
                  if isinstance(t, torch.Tensor)]
         tracker = StorageTracker()
@@ -461,13 +452,27 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
                     loss.backward()
                     if j < accumulation_steps - 1:
                         del loss
-                if opt is not None:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                _optimizer_step(opt)
                 del loss
             return tracker.peak_bytes
         finally:
             tracker.detach()
+
+
+def _optimizer_step(opt: Any) -> None:
+    """The optimizer's step, gradients set to None after (as training loops do)."""
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _optimizer_state(opt: Any, params: list) -> None:
+    """Create the optimizer's state before a measured step (one step on zero gradients), as a run that
+    has trained before has it."""
+    if opt is not None:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        _optimizer_step(opt)
 
 
 @contextmanager
@@ -546,18 +551,12 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
                 _train_step(module, inputs, loss_fn)
                 for p in params:
                     p.grad = None
-            if opt is not None:  # the optimizer's state, on zero gradients
-                for p in params:
-                    p.grad = torch.zeros_like(p)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            _optimizer_state(opt, params)
             gc.collect()
             tracker.reset_peak()
             loss = _forward_loss(module, inputs, loss_fn)
             loss.backward()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+            _optimizer_step(opt)
             del loss
         return tracker.peak_bytes
     finally:

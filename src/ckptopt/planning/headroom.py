@@ -77,22 +77,14 @@ def check_calibrate(calibrate: bool, device: str, model_device: str) -> None:
 
 @dataclass(frozen=True)
 class Headroom:
-    """Bytes kept free below a memory limit: ``workspace_bytes + fraction * peak``.
-
-    Attributes
-    ----------
-    workspace_bytes : int
-    fraction : float
-    source : str
-        Where the figures come from ("none: no caching allocator on cpu", "measured on
-        cuda:0", "default ...", "given").
-    checkpointed_fraction : float, optional
-        ``fraction`` for a plan that checkpoints (default: ``fraction``).
-    """
+    """Bytes kept free below a memory limit: ``workspace_bytes + fraction * peak``."""
 
     workspace_bytes: int = 0
     fraction: float = 0.0
+    #: where the figures come from ("none: no caching allocator on cpu", "measured on cuda:0",
+    #: "default ...", "given")
     source: str = "none"
+    #: ``fraction`` for a plan that checkpoints (None: ``fraction``)
     checkpointed_fraction: float | None = None
 
     def __post_init__(self):

@@ -317,6 +317,14 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
 
 
 @njit(cache=True)
+def plan_segment(starts, stored, k, n):
+    """``(l, r, last, unwrapped)`` of segment ``k`` of the plan whose segments start at ``starts``."""
+    m = starts.shape[0]
+    last = k == m - 1
+    return starts[k], (starts[k + 1] - 1 if k + 1 < m else n - 1), last, last or stored[k] != 0
+
+
+@njit(cache=True)
 def simulate_plan(starts, stored, n, full, K):
     """Peak of the plan whose segments start at ``starts`` (sorted, starts[0] == 0).
 
@@ -326,18 +334,10 @@ def simulate_plan(starts, stored, n, full, K):
     runs; when it keeps its output, the next segment's input is already held.
     Returns (peak without static, phase, layer, segment). O(n).
     """
-    held = 0
-    best = NEG
-    phase = -1
-    layer = -1
-    seg = -1
-    m = starts.shape[0]
+    held, best, phase, layer, seg = 0, NEG, -1, -1, -1
     prev_keeps = False
-    for k in range(m):
-        l = starts[k]
-        r = starts[k + 1] - 1 if k + 1 < m else n - 1
-        last = k == m - 1
-        st = last or stored[k] != 0
+    for k in range(starts.shape[0]):
+        l, r, last, st = plan_segment(starts, stored, k, n)
         c, live_in = segment_hold(l, r, st, prev_keeps, full, K)
         held += c
         v, ph, ly = segment_peak(l, r, st, full, K, live_in, prev_keeps)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from .kernels import NEG, after_segment, first_saving, recompute_span, segment_hold, segment_peak_add
+from .kernels import NEG, after_segment, first_saving, plan_segment, recompute_span, segment_hold, segment_peak_add
 
 __all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_order", "simulate_plan_side",
            "SideScratch", "side_scratch"]
@@ -423,19 +423,11 @@ def _made_tensor(seg, p, j, K, SD, sc):
 def simulate_plan_side(starts, stored, n, K, SD, sc):
     """:func:`ckptopt.simulator.kernels.simulate_plan` with side tensors (full form).
     Returns (peak without static, phase, layer, segment). O(n + the side tensors' reads)."""
-    held = 0
-    best = NEG
-    phase = -1
-    layer = -1
-    seg = -1
-    m = starts.shape[0]
+    held, best, phase, layer, seg = 0, NEG, -1, -1, -1
     prev_keeps = False
     S = 0
-    for k in range(m):
-        l = starts[k]
-        r = starts[k + 1] - 1 if k + 1 < m else n - 1
-        last = k == m - 1
-        st = last or stored[k] != 0
+    for k in range(starts.shape[0]):
+        l, r, last, st = plan_segment(starts, stored, k, n)
         c, live_in = segment_hold(l, r, st, prev_keeps, True, K)
         held += c
         dside, S2 = side_terms(l, r, st, prev_keeps, S, K, SD, sc)

@@ -109,12 +109,8 @@ def simulate_timeline(costs: ChainCosts, checkpoints: Iterable[int], stored: Ite
 
     Parameters
     ----------
-    costs : ChainCosts
-        The cost model (full or additive form).
-    checkpoints : sequence of int
-        Segment-start layers, strictly increasing, each in ``1..n-1``.
-    stored : sequence of int, optional
-        Start layers of segments left unwrapped, as for :func:`ckptopt.simulate`.
+    costs, checkpoints, stored
+        The cost model and the plan, as for :func:`ckptopt.simulate`.
 
     Returns
     -------

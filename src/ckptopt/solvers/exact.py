@@ -13,7 +13,9 @@ from numba import njit
 from ..costs import ChainCosts
 from ..errors import ProblemTooLarge
 from ..plan import Solution
+from ..sides import SideArrays
 from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, segment_peak, simulate_plan
+from ..simulator.side_tensors import side_scratch, simulate_plan_side
 from .limits import BRUTE_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
 from .pareto import FrontTooLarge, least_recompute
 from .rows import (better_lex, checkpoints_of_mask, plan_from_choice, segment_row, segment_row_buffers, starts_of_mask,
@@ -46,11 +48,17 @@ def brute(costs: ChainCosts) -> Solution:
             f"solver 'brute' tries all 2^(n-1) plans and refuses n > {BRUTE_MAX_N} "
             f"(this model has n = {costs.n}); use the exact solver 'dp2' (O(n^2)) or 'dp' instead"
         )
-    if costs.has_side:
-        value, plan = side_tensors.brute(costs)
-        return Solution(plan, value + costs.static)
-    value, _, plan = brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix)
+    value, _, plan = brute_force_lex(costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix,
+                                     *_side_context(costs))
     return Solution(tuple(int(x) for x in plan), int(value) + costs.static)
+
+
+def _side_context(costs: ChainCosts) -> tuple:
+    """``(SD, sc, side)``: the side tensors' arrays and scratch for :func:`brute_force_lex` (empty ones for a
+    cost model without side tensors, or of the additive form)."""
+    n, side = costs.n, costs.side
+    return (costs.side_arrays if costs.has_side else SideArrays.build(n, ()), side_scratch(n, len(side)),
+            costs.has_side)
 
 
 def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> Solution:
@@ -135,18 +143,40 @@ def dp_cubic(n, full, K):
     the segment holds; D(l, n-1) is the unwrapped last segment and V(n) = -inf.
     Returns (optimum without static, checkpoints).
     """
+    return _chain_program(n, full, K, False)
+
+
+@njit(cache=True)
+def dp_quadratic(n, full, K):
+    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
+    return _chain_program(n, full, K, True)
+
+
+@njit(cache=True)
+def _chain_program(n, full, K, incremental):
+    """The recurrence of :func:`dp_cubic`, each segment priced by the simulator's kernel, or, when
+    ``incremental``, read from the running maxima of :func:`~ckptopt.solvers.rows.segment_row`."""
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
+    row = segment_row_buffers(n)
+    Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
+        if incremental:
+            segment_row(l, n, full, K, Cpre, row)
         bestv = BIG
         bestr = -1
         for r in range(l, n):
             last = r == n - 1
-            c = held_checkpoint(l, r, last, full, K)
-            D = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0, False)[0]
+            if not incremental:
+                c = held_checkpoint(l, r, last, full, K)
+                d = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0, False)[0]
+            else:
+                c = held_checkpoint(l, r, True, full, K) if last else row.hold[r]
+                d = row.Ds0[r] if last else row.Dc0[r]  # (after a checkpointed segment)
+                d = with_live_in(l, c, 0, d, K, last)  # (the input is live while the first layer runs)
             rest = V[r + 1]
-            val = c + (D if D > rest else rest)
+            val = c + (d if d > rest else rest)
             if val <= bestv:  # ties: the longest segment
                 bestv = val
                 bestr = r
@@ -156,47 +186,18 @@ def dp_cubic(n, full, K):
 
 
 @njit(cache=True)
-def dp_quadratic(n, full, K):
-    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
-    V = np.empty(n + 1, dtype=np.int64)
-    V[n] = NEG
-    choice = np.empty(n, dtype=np.int64)
-    row = segment_row_buffers(n)
-    Dc0, Ds0, hold = row.Dc0, row.Ds0, row.hold
-    Cpre = np.zeros(n + 1, dtype=np.int64)
-    for l in range(n - 1, -1, -1):
-        segment_row(l, n, full, K, Cpre, row)
-        bestv = BIG
-        bestr = -1
-        for r in range(l, n):
-            if r == n - 1:
-                c = held_checkpoint(l, r, True, full, K)
-                d = Ds0[r]  # after a checkpointed segment
-            else:
-                c = hold[r]
-                d = Dc0[r]
-            d = with_live_in(l, c, 0, d, K, r == n - 1)  # (the input is live while the first layer runs)
-            rest = V[r + 1]
-            val = c + (d if d > rest else rest)
-            if val <= bestv:
-                bestv = val
-                bestr = r
-        V[l] = bestv
-        choice[l] = bestr
-    return V[0], plan_from_choice(choice, n)
-
-
-@njit(cache=True)
-def brute_force_lex(n, full, K, Cpre):
-    """Every plan; the lowest peak, then the least recomputation, then the smallest mask."""
-    starts = np.empty(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.int64)
-    best = BIG
-    best_rec = BIG
-    best_mask = 0
+def brute_force_lex(n, full, K, Cpre, SD, sc, side):
+    """Every checkpoint-only plan, each scored by the simulator (with the side tensors of ``SD`` when
+    ``side``: full form only); the lowest peak, then the least recomputation, then the smallest mask.
+    Returns ``(peak without static, recomputation, checkpoints)``."""
+    starts, zeros = np.empty(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    best, best_rec, best_mask = BIG, BIG, 0
     for mask in range(1 << (n - 1)):
         m = starts_of_mask(mask, n, starts)
-        v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
+        if side:
+            v = simulate_plan_side(starts[:m], zeros[:m], n, K, SD, sc)[0]
+        else:
+            v = simulate_plan(starts[:m], zeros[:m], n, full, K)[0]
         if v > best:
             continue
         rc = plan_recompute(starts[:m], zeros[:m], n, full, K, Cpre)
@@ -208,7 +209,8 @@ def brute_force_lex(n, full, K, Cpre):
 def warmup(K, cpre) -> None:
     """Compile this module's kernels on a tiny instance."""
     n = K.a.shape[0]
+    SD, sc = SideArrays.build(n, ()), side_scratch(n, 0)
     for full in (True, False):
         dp_cubic(n, full, K)
         dp_quadratic(n, full, K)
-        brute_force_lex(n, full, K, cpre)
+        brute_force_lex(n, full, K, cpre, SD, sc, False)

@@ -27,34 +27,20 @@ __all__ = ["SolverInfo", "SOLVERS", "solve", "solver_names", "lookup", "check_bu
 
 @dataclass(frozen=True)
 class SolverInfo:
-    """A registry entry.
-
-    Attributes
-    ----------
-    name : str
-    fn : callable
-        ``fn(costs, arg, budget) -> Solution``; ``arg`` is the text after ``:``
-        (``uniform:4``), ``budget`` the validated budget in bytes or None.
-    exact : str
-        ``"full"``: exact for both forms; ``"additive"``: exact for the additive
-        form only; ``""``: a heuristic.
-    description : str
-    takes_arg : bool
-        Written ``name:ARG``.
-    plans_within_budget : bool
-        The solver plans within ``budget`` itself (``budget``, ``auto``); for the
-        others :func:`solve` checks the plan against it afterwards.
-    max_n : int or None
-        Tables (the CLI, benchmarks) run it by default only up to this many layers
-        (``brute`` refuses beyond it).
-    """
+    """A registry entry."""
 
     name: str
+    #: ``fn(costs, arg, budget) -> Solution``; ``arg`` is the text after ``:`` (``uniform:4``), ``budget``
+    #: the validated budget in bytes or None
     fn: Callable[[ChainCosts, str | None, int | None], Solution]
+    #: ``"full"``: exact for both forms; ``"additive"``: exact for the additive form only; ``""``: a heuristic
     exact: str
     description: str
-    takes_arg: bool = False
+    takes_arg: bool = False  #: written ``name:ARG``
+    #: the solver plans within ``budget`` itself (``budget``, ``auto``); for the others :func:`solve` checks
+    #: the plan against it afterwards
     plans_within_budget: bool = False
+    #: tables (the CLI, benchmarks) run it by default only up to this many layers (``brute`` refuses beyond)
     max_n: int | None = None
 
 

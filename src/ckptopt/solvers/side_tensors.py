@@ -26,13 +26,11 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ..simulator.kernels import (BIG, NEG, plan_recompute, recompute_span, segment_hold, segment_peak_add,
-                                 segment_terms)
-from ..simulator.side_tensors import frame_split, joint_order, side_scratch, side_terms, side_terms_frame, simulate_plan_side
+from ..simulator.kernels import BIG, NEG, recompute_span, segment_hold, segment_peak_add, segment_terms
+from ..simulator.side_tensors import frame_split, joint_order, side_scratch, side_terms, side_terms_frame
 from .fronts import PEAK, add_point, add_suffix_points, front_plans, grow_points, keep_front, points
-from .rows import better_lex, checkpoints_of_mask, starts_of_mask
 
-__all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "brute_side"]
+__all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "lowest_peak", "solves_within", "front"]
 
 #: :func:`pareto_side` keeps the segments of one layer scored for at most this many (state, segment)
 #: pairs at once (three int64 arrays: 48 MB); more masks are scored block by block.
@@ -668,26 +666,6 @@ def _next_state(off, SD, K, r, kind, S2):
     return off[r + 1] + f2 * (1 << nb2) + S2
 
 
-@njit(cache=True)
-def brute_side(n, K, SD, Cpre, sc):
-    """Every checkpoint-only plan; the lowest peak, then the least recomputation, then the smallest mask."""
-    starts = np.empty(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.int64)
-    best = BIG
-    best_rec = BIG
-    best_mask = 0
-    for mask in range(1 << (n - 1)):
-        m = starts_of_mask(mask, n, starts)
-        v = simulate_plan_side(starts[:m], zeros[:m], n, K, SD, sc)[0]
-        if v > best:
-            continue
-        rc = plan_recompute(starts[:m], zeros[:m], n, True, K, Cpre)
-        if better_lex(v, rc, best, best_rec):
-            best, best_rec, best_mask = v, rc, mask
-    return best, best_rec, checkpoints_of_mask(best_mask, n)
-
-
-
 # --------------------------------------------------------------------------
 # Python entry points (the arrays every kernel above takes)
 # --------------------------------------------------------------------------
@@ -749,10 +727,3 @@ def front(costs, cap: int, allow_stored: bool, max_work: int, grain: int = 0):
     SD, off, unheld, sc, ms = _context(costs)
     return pareto_side(costs.n, costs.kernel_arrays, SD, off, unheld, costs.compute_prefix, int(cap), bool(allow_stored),
                        int(max_work), int(grain), sc, ms)
-
-
-def brute(costs) -> tuple[int, tuple[int, ...]]:
-    """``(peak without static, checkpoints)`` of the best checkpoint-only plan by trying each."""
-    value, _, plan = brute_side(costs.n, costs.kernel_arrays, costs.side_arrays, costs.compute_prefix,
-                                side_scratch(costs.n, len(costs.side)))
-    return int(value), tuple(int(x) for x in plan)

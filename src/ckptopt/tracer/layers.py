@@ -37,44 +37,24 @@ MAX_EARLY = 2
 
 @dataclass(frozen=True)
 class Layer:
-    """One layer of the chain: the graph nodes between two candidate cuts.
-
-    Attributes
-    ----------
-    index : int
-    name : str
-        A readable label (the module path, or the first and last nodes).
-    nodes : tuple of str
-        FX node names in execution order (``"<loss>"`` for the loss layer).
-    ops : tuple of str
-        What each node runs (module type or function name).
-    input_node, output_node : str
-        The chain tensor entering the layer (its checkpoint when a segment starts
-        here; "" when only side tensors cross into it) and the one leaving it.
-    costs : LayerMeasurement
-        The measured chain-model quantities.
-    static_inputs : tuple of str
-        Static values the layer also reads (model inputs that need no gradient,
-        masks computed from them): held for the whole step, not checkpoints.
-    side_inputs, side_outputs : tuple of str
-        The side tensors it reads and computes (:class:`ckptopt.costs.SideTensor`):
-        tensors crossing boundaries besides the chain tensor.
-    flops : int
-        Forward compute: floating-point operations from
-        ``torch.utils.flop_counter``, plus one per output element of every
-        other non-view op (elementwise ops, norms, pooling). The cost
-        model's ``c``.
-    """
+    """One layer of the chain: the graph nodes between two candidate cuts."""
 
     index: int
-    name: str
-    nodes: tuple[str, ...]
-    ops: tuple[str, ...]
+    name: str  #: a readable label (the module path, or the first and last nodes)
+    nodes: tuple[str, ...]  #: FX node names in execution order (``"<loss>"`` for the loss layer)
+    ops: tuple[str, ...]  #: what each node runs (module type or function name)
+    #: the chain tensor entering the layer (its checkpoint when a segment starts here; "" when only side
+    #: tensors cross into it), and the one leaving it
     input_node: str
     output_node: str
-    costs: LayerMeasurement
+    costs: LayerMeasurement  #: the measured chain-model quantities
+    #: forward compute (the cost model's ``c``): floating-point operations from ``torch.utils.flop_counter``,
+    #: plus one per output element of every other non-view op (elementwise ops, norms, pooling)
     flops: int = 0
+    #: static values the layer also reads (inputs that need no gradient, masks computed from them): held for
+    #: the whole step, not checkpoints
     static_inputs: tuple[str, ...] = ()
+    #: the side tensors it reads and computes (:class:`ckptopt.costs.SideTensor`)
     side_inputs: tuple[str, ...] = ()
     side_outputs: tuple[str, ...] = ()
 

@@ -119,6 +119,13 @@ def _conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_planes, out_planes, kernel_size=1, stride=stride, bias=False)
 
 
+def _residual(block: nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A residual block's end: the branch plus its input (downsampled where the block changes its shape),
+    then the block's ReLU."""
+    identity = block.downsample(x) if block.downsample is not None else x
+    return block.relu(out + identity)
+
+
 class BasicBlock(nn.Module):
     expansion = 1
 
@@ -134,13 +141,8 @@ class BasicBlock(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out = out + identity
-        return self.relu(out)
+        return _residual(self, x, self.bn2(self.conv2(out)))
 
 
 class Bottleneck(nn.Module):
@@ -162,14 +164,9 @@ class Bottleneck(nn.Module):
         self.stride = stride
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out = out + identity
-        return self.relu(out)
+        return _residual(self, x, self.bn3(self.conv3(out)))
 
 
 class ResNet(nn.Module):
