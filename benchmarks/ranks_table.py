@@ -51,7 +51,7 @@ def peaks(name: str, batch: int, seq: int, worlds, strategies) -> list[dict]:
     from ckptopt.planning.estimate import optimal_plan, peak_estimate
     from ckptopt.planning.optimizer import optimizer_memory
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts, rank_trace, repeated_blocks
+    from ckptopt.planning.param_facts import param_facts, rank_trace, repeated_blocks
     from ckptopt.torch_utils import normalize_inputs
 
     model, inputs = build(name, batch, seq)

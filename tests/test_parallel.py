@@ -48,7 +48,7 @@ def test_fsdp2_segments_across_blocks_keep_each_recomputed_block_gathered():
     from ckptopt.measure import measure_rank_step
     from ckptopt.planning.fsdp import fsdp_peak
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts, repeated_blocks
+    from ckptopt.planning.param_facts import param_facts, repeated_blocks
 
     model, x = make()
     blocks = repeated_blocks(model)
@@ -128,7 +128,7 @@ def test_gloo_ranks_measure_what_was_predicted(world, tmp_path):
     when the next one is made (its frees follow the collectives' completion, not the program order)."""
     from ckptopt import trace
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts, repeated_blocks
+    from ckptopt.planning.param_facts import param_facts, repeated_blocks
 
     results = _run_gloo(world, str(tmp_path))
     for r, res in enumerate(results):
@@ -209,7 +209,7 @@ def test_estimate_of_a_transformers_model_prices_its_decoder_layers_as_units():
     from ckptopt.planning.estimate import optimal_plan, peak_estimate
     from ckptopt.planning.optimizer import optimizer_memory
     from ckptopt.planning.ranks import rank_costs
-    from ckptopt.planning.units import param_facts, repeated_blocks
+    from ckptopt.planning.param_facts import param_facts, repeated_blocks
 
     batch = {"input_ids": ids, "labels": ids}
     two = estimate(model, batch, optimizer="adamw", parallel=Parallel(2, "fsdp"))
@@ -308,7 +308,7 @@ def test_a_block_with_a_tied_parameter_is_left_to_the_root():
     unit; the encoder layers are."""
     transformers = pytest.importorskip("transformers")
     from ckptopt import optimize_checkpoints
-    from ckptopt.planning.units import repeated_blocks
+    from ckptopt.planning.param_facts import repeated_blocks
 
     cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                   vocab_size=64)

@@ -183,7 +183,7 @@ def _traced_and_checked(model: nn.Module, example_inputs: Any, parallel, loss_fn
     when the check could not run). The model's plain-Python state is restored afterwards: FX runs
     the forward's Python code on the model itself. Under FSDP2's mixed precision the trace is of a
     copy in the compute dtype."""
-    from .planning.units import rank_trace
+    from .planning.param_facts import rank_trace
 
     state = python_state(model) if isinstance(model, nn.Module) else PythonState(attrs=[], keys=[], contents={})
     try:
@@ -253,7 +253,7 @@ def _rank_plan(model: nn.Module, tm, parallel, solver: str, budget) -> Plan:
     from .planning.estimate import optimal_plan
     from .planning.optimizer import optimizer_memory
     from .planning.ranks import rank_costs
-    from .planning.units import param_facts
+    from .planning.param_facts import param_facts
 
     rank = rank_costs(tm.costs, param_facts(model, tm, parallel=parallel), tm.param_bytes, parallel)
     if rank.fsdp is None or (solver != "auto" and budget is None):
@@ -279,7 +279,7 @@ def _fully_shard(model: nn.Module, module: nn.Module, blocks, parallel) -> None:
                            "needs torch.distributed initialized (dist.init_process_group) on every rank first")
     from torch.distributed.fsdp import fully_shard
 
-    from .planning.units import fsdp_options
+    from .planning.param_facts import fsdp_options
 
     mp = fsdp_options(parallel)
     for block in _modules_named(model, blocks or ()):

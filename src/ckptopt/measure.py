@@ -508,14 +508,14 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
     ``torch.testing._internal.distributed.fake_pg``, whose collectives move no data:
     the memory is the same). ``model`` is wrapped as :class:`ckptopt.planning.Parallel`
     says (DDP; or ``fully_shard`` on each block, ``blocks`` default
-    :func:`ckptopt.planning.units.repeated_blocks`, then on the model), rewritten first
+    :func:`ckptopt.planning.param_facts.repeated_blocks`, then on the model), rewritten first
     with ``checkpoints`` if given (the blocks kept whole: FSDP2 gathers a block when it is
     called). One step runs first (FSDP2's lazy setup, DDP's bucket rebuild), then
     ``optimizer``'s state is made and one step is measured under the exact tracker
     (forward, loss, backward, optimizer step, ``zero_grad``). The model trains: its
     parameters change and it stays wrapped.
     """
-    from .planning.units import fsdp_options, rank_trace, repeated_blocks
+    from .planning.param_facts import fsdp_options, rank_trace, repeated_blocks
 
     inputs = normalize_inputs(example_inputs)
     blocks = repeated_blocks(model) if blocks is None else list(blocks)

@@ -21,7 +21,7 @@ from .headroom import Headroom, check_calibrate, default_headroom, device_free_m
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts, plus_static
 from .ranks import rank_costs
-from .units import compute_view, held_inputs, param_facts
+from .param_facts import compute_view, held_inputs, param_facts
 
 __all__ = ["with_batch", "BatchCosts", "BatchFit", "MaxBatch", "max_batch"]
 

@@ -21,7 +21,7 @@ from .headroom import Headroom, check_calibrate, default_calibrate, default_head
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts
 from .ranks import rank_costs
-from .units import param_facts, rank_trace, repeated_blocks
+from .param_facts import param_facts, rank_trace, repeated_blocks
 
 __all__ = ["Breakdown", "PeakEstimate", "Estimate", "estimate", "peak_estimate", "optimal_plan", "kept_output_extra",
            "least_recompute_plan", "trainable_sizes", "batch_of"]

@@ -21,7 +21,7 @@ how the buffer is split, not its size.
 (:func:`~ckptopt.planning.fsdp.fsdp_rank_costs`).
 
 No torch import: the per-parameter facts (sizes, first dimensions, which unit owns them,
-which layers use them) come from :mod:`ckptopt.planning.units`; :func:`ckptopt.planning.ranks.rank_costs`
+which layers use them) come from :mod:`ckptopt.planning.param_facts`; :func:`ckptopt.planning.ranks.rank_costs`
 picks the strategy.
 """
 

@@ -17,7 +17,7 @@ def rank_costs(costs: ChainCosts, facts: ParamFacts, param_bytes: int, parallel:
     costs : ChainCosts
         The traced cost model of the local batch (static: parameters, buffers, inputs).
     facts : ParamFacts
-        The parameters (:func:`ckptopt.planning.units.param_facts`; FSDP2 needs its units).
+        The parameters (:func:`ckptopt.planning.param_facts.param_facts`; FSDP2 needs its units).
     param_bytes : int
         Bytes of all parameters (trainable or not) in ``costs.static``.
     parallel : Parallel or None
