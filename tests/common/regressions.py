@@ -110,6 +110,11 @@ def _no_layer_hands_on_its_input(t: Traced) -> bool:
 
 
 # Models several cases share.
+_TRAILING_LAYERS_SAVE_NOTHING = Spec(
+    family="conv", dtype="float32", batch=2, shape=(1, 4, 4), classes=1, input_requires_grad=True,
+    nodes=(Node("avgpool", (0,)), Node("dropout", (1,)), Node("dropout", (2,)), Node("bn", (3,), inplace="relu_"),
+           Node("dropout", (4,)), Node("dropout", (5,)), Node("bn", (6,), inplace="relu_"), Node("dropout", (7,)),
+           Node("dropout", (4,)), Node("gn", (9,)), Node("bn", (4,), inplace="mul_"), Node("cat", (11, 6))))
 _TWO_SIDES_MULTIPLIED = Spec(family="conv", dtype="float32", batch=4, shape=(4, 4, 4), input_requires_grad=True,
     nodes=(Node("up", (0,)), Node("gelu", (1,)), Node("conv1", (2,), width=6), Node("dropout", (3,)),
            Node("mul", (3, 4)), Node("add", (5, 4)), Node("avgpool", (6,))))
@@ -259,20 +264,21 @@ CASES: tuple[Case, ...] = (
         id="trailing-layers-save-nothing",
         rule="The last layers of a checkpointed segment that save nothing run their backward before the "
              "recomputation starts, with the gradients they make held (rg).",
-        spec=Spec(family="conv", dtype="float32", batch=2, shape=(1, 4, 4), classes=1, input_requires_grad=True,
-                  nodes=(Node("avgpool", (0,)), Node("dropout", (1,)), Node("dropout", (2,)),
-                         Node("bn", (3,), inplace="relu_"), Node("dropout", (4,)), Node("dropout", (5,)),
-                         Node("bn", (6,), inplace="relu_"), Node("dropout", (7,)), Node("dropout", (4,)),
-                         Node("gn", (9,)), Node("bn", (4,), inplace="mul_"), Node("cat", (11, 6)))),
+        spec=_TRAILING_LAYERS_SAVE_NOTHING,
         max_crossing=1,
         facts=(Fact("layer 5 (the mean) saves nothing",
                     lambda t: not t.c.sin[5] and not t.c.sout[5] and t.c.m[5] == 0),
                Fact("layer 4 makes gradients before its first read (rg > a)", lambda t: t.c.rg[4] > t.c.a[4])),
         plans=((), (5,), (6,), (4, 6), every_layer), check=assert_exact,
-        # single-tensor cuts: with several tensors crossing, the layer holding this model's dead branch
-        # (BatchNorm, Dropout, GroupNorm nothing reads) is under-predicted while it is recomputed (README,
-        # limits): a known gap, not yet modelled
         fuzz=True, fuzz_max_crossing=1,
+    ),
+    Case(
+        id="dead-branch-recomputed-with-side-tensors",
+        rule="With several tensors crossing a cut, a layer holding a dead branch (a BatchNorm, Dropout and "
+             "GroupNorm nothing reads) is priced as it runs when it is recomputed: every plan exact.",
+        spec=_TRAILING_LAYERS_SAVE_NOTHING,
+        plans=((), every_layer, each_single_cut, dp2_optimum, (2, 5, 8), (1, 4, 7, 9)), check=assert_exact,
+        fuzz=True,
     ),
     Case(
         id="leaf-input-used-twice",
