@@ -133,7 +133,7 @@ def test_no_source_file_is_too_long(name):
 
 MAX_FUNCTION_LINES = 100
 #: Compiled kernels that must stay one loop (each says why in its docstring).
-ONE_LOOP_KERNELS = {"ckptopt.solvers.rows.segment_row"}
+ONE_LOOP_KERNELS = {"ckptopt.solvers.rows.segment_row", "ckptopt.simulator.side_tensors.side_terms_frame"}
 
 
 def _long_functions(name: str, source: str | None = None) -> list[str]:
@@ -161,7 +161,7 @@ def test_no_function_is_too_long():
     assert not _long_functions("ckptopt.costs", 'def f():\n    """\n' + "    doc\n" * 101 + '    """\n')  # (... only)
     for kernel in ONE_LOOP_KERNELS:
         module, _, fn = kernel.rpartition(".")
-        assert "One loop by design" in getattr(importlib.import_module(module), fn).__doc__
+        assert "One loop by design" in getattr(importlib.import_module(module), fn).__doc__, kernel
 
 
 def _private_imports(name: str, source: str | None = None) -> list[str]:

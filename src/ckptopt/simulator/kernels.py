@@ -176,58 +176,6 @@ def after_segment(l, r, stored, K):
 
 
 @njit(cache=True)
-def first_forward_term(l, unwrapped, prev_keeps, K):
-    """The forward transient of a segment's first layer: an unwrapped segment's input that nothing holds
-    (no save, no earlier segment) dies at its last use in it (``ff``); a checkpointed segment's first pass
-    keeps none of the saves (``fc``)."""
-    if unwrapped:
-        return K.ff[l] if l > 0 and not prev_keeps and K.sin[l] == 0 else K.f[l]
-    return K.fc[l]
-
-
-@njit(cache=True)
-def recompute_term(l, i, e, partial, K):
-    """Layer ``i``'s term in the recomputation of a segment from ``l`` that runs to layer ``e`` (to its last
-    saved tensor when ``partial``): what the recomputed layers before it keep, its input and transient;
-    the gradients held then (``rb``) come on top."""
-    stop = partial and i == e
-    if i == l:
-        return K.fs[l] if stop else K.f[l]
-    return K.P[i] - K.P[l] + (K.qs[i] if stop else K.qf[i])
-
-
-@njit(cache=True)
-def frame_freed_before(l, r, unwrapped, prev_keeps, full, K):
-    """The layer before whose backward a checkpointed segment's frame still holds its input: the frame goes
-    once the segment's last saved tensor is released, mid-way through its first saving layer's backward,
-    so the layers before that one run their backward without the checkpoint (``l``: no such layer)."""
-    if full and not unwrapped and l > 0 and not prev_keeps:
-        u = first_saving(l, r, K)
-        if u <= r:  # (a segment that saves nothing holds no checkpoint)
-            return u
-    return l
-
-
-@njit(cache=True)
-def backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, full, K):
-    """Layer ``i``'s backward term in segment ``[l, r]``: what the layers before it keep (up to the trigger,
-    after which the saves are gone), its saves, output gradient, transient and the later parameters'
-    gradients, as its input is held (the previous segment, the checkpoint's frame, nothing) and its saves
-    are kept (autograd) or recomputed (a checkpointed segment); less the checkpoint the frame let go."""
-    q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
-    if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
-        q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
-    if full and not unwrapped and i == trigger:  # (from its first read on: the part before is rbp)
-        q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
-    v = K.P[i] - K.P[l] + q if i <= trigger else q
-    if i < freed_before:
-        v -= K.ck[l]
-    elif i == freed_before and i > l:  # (it lets the checkpoint go mid-way through its backward)
-        v += K.ckf[l]
-    return v
-
-
-@njit(cache=True)
 def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
@@ -243,7 +191,13 @@ def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
 def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, badd, add):
     """:func:`segment_peak` with, when ``add``, ``fadd[i]``, ``radd[i]`` and ``badd[i]`` added to the
     forward, recomputation and backward terms of layer i (the side tensors live then,
-    :mod:`ckptopt.simulator.side_tensors`)."""
+    :mod:`ckptopt.simulator.side_tensors`).
+
+    The terms are written out here and again in :func:`segment_terms` (which lists them for the mask
+    programs), by design: this is the inner loop of the simulator and the programs, and written as calls
+    per term (each passing the kernel arrays) the side-tensor programs ran 20% slower (diffusers UNet,
+    346 layers). ``tests/test_side_tensors.py::test_segment_terms_are_the_terms_of_segment_peak_add``
+    keeps the two the same."""
     Pl = K.P[l]
     best = NEG
     phase = -1
@@ -252,7 +206,9 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
     if full:
         # an unwrapped segment's input that nothing holds (no save, no earlier segment) dies at its
         # last use in the first layer
-        v = first_forward_term(l, unwrapped, prev_keeps, K) + live_in + (fadd[l] if add else 0)
+        free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
+        # (a checkpointed segment's first pass keeps none of the saves: fc)
+        v = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + (fadd[l] if add else 0)
         if v > best:
             best, phase, layer = v, 0, l
         if unwrapped:
@@ -266,8 +222,13 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 if v > best:
                     best, phase, layer = v, 0, i
             trigger, e, partial = recompute_span(l, r, K)
+            base = K.rb[r]
             for i in range(l, e + 1):
-                v = K.rb[r] + recompute_term(l, i, e, partial, K)
+                stop = partial and i == e
+                if i == l:
+                    v = base + (K.fs[l] if stop else K.f[l])
+                else:
+                    v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
                 if add:
                     v += radd[i]
                 if v > best:
@@ -276,9 +237,24 @@ def segment_peak_add(l, r, unwrapped, full, K, live_in, prev_keeps, fadd, radd, 
                 v = K.rbp[r] + (radd[l] if add else 0)
                 if v > best:
                     best, phase, layer = v, 2, trigger
-    freed_before = frame_freed_before(l, r, unwrapped, prev_keeps, full, K)
+    # A checkpoint's frame, which holds the segment's input, goes once the segment's last saved
+    # tensor is released: the layers before its first saving layer run their backward without it.
+    freed_before = l
+    if full and not unwrapped and l > 0 and not prev_keeps:
+        freed_before = first_saving(l, r, K)
+        if freed_before > r:  # it saves nothing: it holds no checkpoint
+            freed_before = l
     for i in range(r, l - 1, -1):
-        v = backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, full, K)
+        q = K.qb[i] if unwrapped else K.qbr[i]  # (a checkpointed segment's saved tensors are recomputed)
+        if i == l and l > 0 and not prev_keeps:  # no earlier layer holds its input:
+            q = K.qbf[i] if unwrapped else K.qbkr[i]  # nothing does, or the checkpoint's frame
+        if full and not unwrapped and i == trigger:  # (from its first read on: the part before is rbp)
+            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
+        v = K.P[i] - Pl + q if i <= trigger else q
+        if i < freed_before:
+            v -= K.ck[l]
+        elif i == freed_before and i > l:  # (it lets the checkpoint go mid-way through its backward)
+            v += K.ckf[l]
         if add:
             v += badd[i]
         if v > best:
@@ -291,14 +267,15 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
     """Every term of :func:`segment_peak_add` (full form, with the addends), one by one: ``out[i - l]``
     the forward term of layer ``i``, ``out[w + i - l]`` its recomputation term, ``out[2 w + i - l]``
     its backward term (``w = r - l + 1``; ``NEG`` where a layer has no such term). Their maximum is
-    ``segment_peak_add``'s peak (``tests/test_side_tensors.py::test_segment_terms_are_the_terms_of_segment_peak_add``
-    checks it on random models: a rule changed there must be changed here). The side-tensor programs
-    take each term apart by side tensor (:mod:`ckptopt.solvers.side_tensors`). O(r - l)."""
+    ``segment_peak_add``'s peak (``tests/test_side_tensors.py`` checks it on random models: a rule
+    changed there must be changed here). The side-tensor programs take each term apart by side
+    tensor (:mod:`ckptopt.solvers.side_tensors`). O(r - l)."""
     w = r - l + 1
     for t in range(3 * w):
         out[t] = NEG
     Pl = K.P[l]
-    out[0] = first_forward_term(l, unwrapped, prev_keeps, K) + live_in + fadd[l]
+    free = unwrapped and l > 0 and not prev_keeps and K.sin[l] == 0
+    out[0] = (K.ff[l] if free else K.f[l] if unwrapped else K.fc[l]) + live_in + fadd[l]
     trigger = r
     if unwrapped:
         for i in range(l + 1, r + 1):
@@ -307,13 +284,33 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
         for i in range(l + 1, r + 1):
             out[i - l] = K.fw[i] + live_in + fadd[i]
         trigger, e, partial = recompute_span(l, r, K)
+        base = K.rb[r]
         for i in range(l, e + 1):
-            out[w + i - l] = K.rb[r] + recompute_term(l, i, e, partial, K) + radd[i]
+            stop = partial and i == e
+            if i == l:
+                v = base + (K.fs[l] if stop else K.f[l])
+            else:
+                v = base + K.P[i] - Pl + (K.qs[i] if stop else K.qf[i])
+            out[w + i - l] = v + radd[i]
         if trigger >= l and K.rbp[r] + radd[l] > out[w]:  # (the trigger's first part: with layer l's
             out[w] = K.rbp[r] + radd[l]                    # recomputation term, the same side addends)
-    freed_before = frame_freed_before(l, r, unwrapped, prev_keeps, True, K)
+    freed_before = l
+    if not unwrapped and l > 0 and not prev_keeps:
+        freed_before = first_saving(l, r, K)
+        if freed_before > r:
+            freed_before = l
     for i in range(r, l - 1, -1):
-        out[2 * w + i - l] = backward_term(l, i, trigger, freed_before, unwrapped, prev_keeps, True, K) + badd[i]
+        q = K.qb[i] if unwrapped else K.qbr[i]
+        if i == l and l > 0 and not prev_keeps:
+            q = K.qbf[i] if unwrapped else K.qbkr[i]
+        if not unwrapped and i == trigger:
+            q = K.qbkt[i] if i == l and l > 0 and not prev_keeps else K.qbt[i]
+        v = K.P[i] - Pl + q if i <= trigger else q
+        if i < freed_before:
+            v -= K.ck[l]
+        elif i == freed_before and i > l:
+            v += K.ckf[l]
+        out[2 * w + i - l] = v + badd[i]
 
 
 @njit(cache=True)

@@ -226,63 +226,138 @@ def side_terms(l, r, unwrapped, prev_keeps, S, K, SD, sc):
     return held, S2
 
 
-class _Segment(NamedTuple):
-    """One segment as the side terms see it (:func:`side_terms_frame`)."""
-
-    l: int
-    r: int
-    unwrapped: bool  #: stored or the last: its layers keep what they save, nothing is recomputed
-    fsv: int  #: its first layer that saves a tensor (> r: none does)
-    alone: bool  #: no earlier layer holds layer l's input (its splits are taken as its backward figure has them)
-    joint: bool  #: the frame's release and the recomputed copies let go with it are one sequence (_joint_add)
-    free: bool  #: unwrapped, with layer l's input held by nothing but its own saves (as bf)
-    held_l: bool  #: layer l's input is held while it runs (f, else ff)
-    trigger: int  #: checkpointed: the last saving layer, whose backward triggers the recomputation
-    e: int  #: the last layer the recomputation runs (l - 1: none)
-    partial: bool  #: the recomputation stops inside layer e, at its last saved tensor
-    rl: int  #: the last layer whose recomputation addends are filled (layer l's too for the trigger's first part)
-
-
 @njit(cache=True)
 def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, sc, apply_frame):
     """:func:`side_terms`, also returning ``(held, S2, frame, fsv)``: the side bytes a checkpointed
     segment's frame holds, let go in the backward of its first saving layer ``fsv``. With
     ``apply_frame`` False that release (:func:`_frame_add`, not linear in ``frame``) is left out of
     ``badd``: every other addend is a sum over the side tensors, which the mask programs of
-    :mod:`ckptopt.solvers.side_tensors` take apart tensor by tensor."""
-    mark, jn = sc.mark, sc.joint
+    :mod:`ckptopt.solvers.side_tensors` take apart tensor by tensor.
+
+    One loop by design, over the side tensors open at the segment's start and then those it makes: the
+    mask programs run it ``nb + 1`` times per segment they score, and split into a call per side tensor
+    (each passing the kernel and side arrays) the side-tensor programs ran about twice as slow (diffusers
+    UNet, 346 layers)."""
+    fadd, radd, badd, mark, jn = sc.fadd, sc.radd, sc.badd, sc.mark, sc.joint
     for i in range(l, r + 1):
-        sc.fadd[i] = 0
-        sc.radd[i] = 0
-        sc.badd[i] = SD.bgrad[i]
-    seg = _segment_view(l, r, unwrapped, prev_keeps, K, SD)
-    jn[0] = 0 if seg.joint else -1
-    jn[1] = K.ck[l] if seg.joint and seg.alone else 0
-    if not unwrapped and seg.fsv <= r:
-        for i in range(l, seg.rl + 1):
-            sc.radd[i] = SD.rside[seg.trigger]
+        fadd[i] = 0
+        radd[i] = 0
+        badd[i] = SD.bgrad[i]
+    fsv = first_saving(l, r, K)
+    seg_saves = fsv <= r
+    # no earlier layer holds layer l's input: its release splits are taken as its backward figure has it
+    # (with the frame, as bkr; with its own last save, as bf where layer l - 1 saves it: b is bf elsewhere)
+    alone = l > 0 and not prev_keeps
+    # the frame's release and the recomputed copies let go in the same layer, priced as one sequence
+    # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
+    # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
+    joint = not unwrapped and seg_saves and SD.frame_known != 0 and not (alone and fsv == l)
+    jn[0] = 0 if joint else -1
+    jn[1] = K.ck[l] if joint and alone else 0
+    free = alone and unwrapped and K.sout[l - 1] != 0
+    held_l = not (unwrapped and alone and K.sin[l] == 0)  # (an unwrapped segment's first layer: ff, else f)
+    trigger = r
+    e = l - 1
+    partial = False
+    rl = e  # the last layer whose recomputation addends are filled: layer l's too for the trigger's first part
+    if not unwrapped and seg_saves:
+        trigger, e, partial = recompute_span(l, r, K)
+        rl = e if e > l else l
+        for i in range(l, rl + 1):
+            radd[i] = SD.rside[trigger]
     held = 0
     frame = 0  # side bytes the checkpoint's frame holds
     b0 = SD.bptr[l]
-    for k in range(SD.bptr[l + 1] - b0):  # the side tensors open at l
+    for k in range(SD.bptr[l + 1] - b0):
         j = SD.blist[b0 + k]
         if (S >> k) & 1:
             mark[j] = 1  # held before: still held at r + 1
             continue
-        h, f = _open_tensor(seg, j, K, SD, sc)
-        held += h
-        frame += f
-    for p in range(l, r + 1):  # the side tensors the segment makes
+        sa = SD.sa[j]
+        smax = SD.smax[j]
+        if unwrapped:
+            rho = _first_saver(SD, j, l, r)
+            hold = rho >= 0
+        else:
+            rho = fsv
+            hold = seg_saves and _reads_in(SD, j, l, r)
+        if smax <= r:
+            fend = smax if unwrapped else r  # a checkpointed call holds its arguments
+        else:
+            fend = r
+        for i in range(l, r + 1):
+            if i <= fend or hold:
+                fadd[i] += sa
+        if unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
+            fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, held_l) else SD.sdief_f[j]
+        if hold:
+            for i in range(l, rl + 1):
+                radd[i] += sa
+            for i in range(rho + 1, r + 1):
+                badd[i] += sa
+            if unwrapped:  # let go mid-backward by the layer that saves it
+                badd[rho] += _release_add(SD, j, rho, sa, False, free and rho == l)
+            else:  # ... or with the frame, with the first saving layer's last saved tensor
+                frame += sa
+            held += sa
+            mark[j] = 1
+    for p in range(l, r + 1):
         for q in range(SD.optr[p], SD.optr[p + 1]):
-            h, f = _made_tensor(seg, p, SD.olist[q], K, SD, sc)
-            held += h
-            frame += f
-    fsv = seg.fsv
-    if seg.joint and apply_frame:  # (segment_peak_add counts the checkpoint as held, with ckf)
+            j = SD.olist[q]
+            sa = SD.sa[j]
+            smax = SD.smax[j]
+            fend = smax if smax <= r else r
+            if unwrapped:
+                rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, r)
+                hold = rho >= 0
+                for i in range(p + 1, r + 1):
+                    if i <= fend or hold:
+                        fadd[i] += sa
+                if not hold and smax <= r:  # (it dies inside its last reader)
+                    fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, held_l) else SD.sdief_f[j]
+                if hold:
+                    for i in range(rho + 1, r + 1):
+                        badd[i] += sa
+                    badd[rho] += _release_add(SD, j, rho, sa, False, free and rho == l)
+                    held += sa
+                    mark[j] = 1
+            else:
+                for i in range(p + 1, fend + 1):
+                    fadd[i] += sa
+                if smax <= r:  # (the first pass keeps no saved tensor: it dies inside its last reader, a
+                    fadd[smax] += SD.sdiec_f[j]  # layer after the first, whose input dies at its last use too)
+                if p <= e:  # recomputed: a new copy, packed again by every layer that saves it
+                    rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, trigger)
+                    rend = smax
+                    if smax > r or rho >= 0 or smax > e:
+                        rend = e
+                    for i in range(p + 1, rend + 1):
+                        radd[i] += sa
+                    if rend == smax and rho < 0:  # (held by nothing: it dies inside its last reader;
+                        # a layer that saves it holds it to its backward; one the recomputation runs
+                        # whole, not only to its last saved tensor, changes as its whole forward does)
+                        kin = _input_held(K, smax, l, True)
+                        if smax < e or not partial:
+                            radd[smax] += SD.sdief[j] if kin else SD.sdief_f[j]
+                        else:
+                            radd[smax] += SD.sdie[j] if kin else SD.sdie_f[j]
+                    if rho >= 0:
+                        for i in range(rho + 1, trigger + 1):
+                            badd[i] += sa
+                        q = _saver_index(SD, j, rho)
+                        if rho == fsv and joint and SD.split_known[j] == 2 and q >= 0:  # (a split of that timeline)
+                            o = 2 + 3 * jn[0]  # (priced with the frame's release)
+                            jn[o], jn[o + 1], jn[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
+                            jn[0] += 1
+                        elif rho == fsv and _with_frame(SD, j, rho, alone and fsv == l):
+                            frame += sa  # (let go with the frame, at one moment)
+                        else:
+                            badd[rho] += _release_add(SD, j, rho, sa, True, False)
+    if joint and apply_frame:  # (segment_peak_add counts the checkpoint as held, with ckf)
         ckx = jn[1]
-        sc.badd[fsv] += _joint_add(SD, fsv, frame + ckx, jn) - ckx - (K.ckf[l] if ckx else 0)
+        badd[fsv] += _joint_add(SD, fsv, frame + ckx, jn) - ckx - (K.ckf[l] if ckx else 0)
     elif frame and apply_frame:
-        sc.badd[fsv] += _frame_add(SD, fsv, frame, seg.alone and fsv == l)
+        badd[fsv] += _frame_add(SD, fsv, frame, alone and fsv == l)
     # the mask at r + 1, and the marks cleared
     S2 = 0
     b1 = SD.bptr[r + 1]
@@ -295,128 +370,6 @@ def side_terms_frame(l, r, unwrapped, prev_keeps, S, K, SD, sc, apply_frame):
         for q in range(SD.optr[p], SD.optr[p + 1]):
             mark[SD.olist[q]] = 0
     return held, S2, frame, fsv
-
-
-@njit(cache=True)
-def _segment_view(l, r, unwrapped, prev_keeps, K, SD):
-    """The segment's :class:`_Segment`."""
-    fsv = first_saving(l, r, K)
-    seg_saves = fsv <= r
-    # no earlier layer holds layer l's input: its release splits are taken as its backward figure has it
-    # (with the frame, as bkr; with its own last save, as bf where layer l - 1 saves it: b is bf elsewhere)
-    alone = l > 0 and not prev_keeps
-    # the frame's release and the recomputed copies let go in the same layer, priced as one sequence
-    # (their splits all of the recomputed timeline: not where the frame alone holds the layer's input),
-    # with the checkpoint the frame holds when that layer is not l (ckf prices it alone)
-    joint = not unwrapped and seg_saves and SD.frame_known != 0 and not (alone and fsv == l)
-    free = alone and unwrapped and K.sout[l - 1] != 0
-    held_l = not (unwrapped and alone and K.sin[l] == 0)
-    trigger = r
-    e = l - 1
-    partial = False
-    rl = e
-    if not unwrapped and seg_saves:
-        trigger, e, partial = recompute_span(l, r, K)
-        rl = e if e > l else l
-    return _Segment(l, r, unwrapped, fsv, alone, joint, free, held_l, trigger, e, partial, rl)
-
-
-@njit(cache=True)
-def _open_tensor(seg, j, K, SD, sc):
-    """What side tensor ``j``, open at the segment's start and held by no earlier segment, adds to its
-    terms; ``(held, frame)``: the bytes it starts to hold for later segments, and those the checkpoint's
-    frame holds (let go with it)."""
-    l, r = seg.l, seg.r
-    sa = SD.sa[j]
-    smax = SD.smax[j]
-    if seg.unwrapped:
-        rho = _first_saver(SD, j, l, r)
-        hold = rho >= 0
-    else:
-        rho = seg.fsv
-        hold = seg.fsv <= r and _reads_in(SD, j, l, r)
-    if smax <= r:
-        fend = smax if seg.unwrapped else r  # a checkpointed call holds its arguments
-    else:
-        fend = r
-    for i in range(l, r + 1):
-        if i <= fend or hold:
-            sc.fadd[i] += sa
-    if seg.unwrapped and not hold and smax <= r:  # nothing holds it: it dies inside its last reader
-        sc.fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, seg.held_l) else SD.sdief_f[j]
-    if not hold:
-        return 0, 0
-    for i in range(l, seg.rl + 1):
-        sc.radd[i] += sa
-    for i in range(rho + 1, r + 1):
-        sc.badd[i] += sa
-    sc.mark[j] = 1
-    if seg.unwrapped:  # let go mid-backward by the layer that saves it
-        sc.badd[rho] += _release_add(SD, j, rho, sa, False, seg.free and rho == l)
-        return sa, 0
-    return sa, sa  # ... or with the frame, with the first saving layer's last saved tensor
-
-
-@njit(cache=True)
-def _made_tensor(seg, p, j, K, SD, sc):
-    """What side tensor ``j``, made by the segment's layer ``p``, adds to its terms: ``(held, frame)`` as
-    :func:`_open_tensor`. A checkpointed segment's recomputation makes a new copy, packed again by every
-    layer that saves it."""
-    l, r, fsv = seg.l, seg.r, seg.fsv
-    sa = SD.sa[j]
-    smax = SD.smax[j]
-    fend = smax if smax <= r else r
-    if seg.unwrapped:
-        rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, r)
-        hold = rho >= 0
-        for i in range(p + 1, r + 1):
-            if i <= fend or hold:
-                sc.fadd[i] += sa
-        if not hold and smax <= r:  # (it dies inside its last reader)
-            sc.fadd[smax] += SD.sdief[j] if _input_held(K, smax, l, seg.held_l) else SD.sdief_f[j]
-        if not hold:
-            return 0, 0
-        for i in range(rho + 1, r + 1):
-            sc.badd[i] += sa
-        sc.badd[rho] += _release_add(SD, j, rho, sa, False, seg.free and rho == l)
-        sc.mark[j] = 1
-        return sa, 0
-    for i in range(p + 1, fend + 1):
-        sc.fadd[i] += sa
-    if smax <= r:  # (the first pass keeps no saved tensor: it dies inside its last reader, a
-        sc.fadd[smax] += SD.sdiec_f[j]  # layer after the first, whose input dies at its last use too)
-    if p > seg.e:
-        return 0, 0
-    e = seg.e
-    rho = p if SD.psv[j] != 0 else _first_saver(SD, j, p + 1, seg.trigger)
-    rend = smax
-    if smax > r or rho >= 0 or smax > e:
-        rend = e
-    for i in range(p + 1, rend + 1):
-        sc.radd[i] += sa
-    if rend == smax and rho < 0:  # (held by nothing: it dies inside its last reader; a layer that saves it
-        # holds it to its backward; one the recomputation runs whole, not only to its last saved tensor,
-        # changes as its whole forward does)
-        kin = _input_held(K, smax, l, True)
-        if smax < e or not seg.partial:
-            sc.radd[smax] += SD.sdief[j] if kin else SD.sdief_f[j]
-        else:
-            sc.radd[smax] += SD.sdie[j] if kin else SD.sdie_f[j]
-    if rho < 0:
-        return 0, 0
-    for i in range(rho + 1, seg.trigger + 1):
-        sc.badd[i] += sa
-    q = _saver_index(SD, j, rho)
-    jn = sc.joint
-    if rho == fsv and seg.joint and SD.split_known[j] == 2 and q >= 0:  # (a split of that timeline)
-        o = 2 + 3 * jn[0]  # (priced with the frame's release)
-        jn[o], jn[o + 1], jn[o + 2] = SD.svpre_r[q], SD.svpost_r[q], sa
-        jn[0] += 1
-    elif rho == fsv and _with_frame(SD, j, rho, seg.alone and fsv == l):
-        return 0, sa  # (let go with the frame, at one moment)
-    else:
-        sc.badd[rho] += _release_add(SD, j, rho, sa, True, False)
-    return 0, 0
 
 
 @njit(cache=True)

@@ -28,7 +28,7 @@ from numba import njit
 
 from ..simulator.kernels import BIG, NEG, recompute_span, segment_hold, segment_peak_add, segment_terms
 from ..simulator.side_tensors import frame_split, joint_order, side_scratch, side_terms, side_terms_frame
-from .fronts import PEAK, add_point, add_suffix_points, front_plans, grow_points, keep_front, points
+from .fronts import add_point, add_suffix_points, coarsen, front_plans, grow_points, keep_front, points
 
 __all__ = ["state_offsets", "unheld_bits", "dp_side", "pareto_side", "lowest_peak", "solves_within", "front"]
 
@@ -363,6 +363,7 @@ def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work,
             if not _takes(kind, r, n, allow_stored):
                 continue
             c = _segment_masks(l, r, kind, flag, K, SD, sc, ms) if masks else 0
+            nxt = _next_state(off, SD, K, r, kind) if kind != 2 else 0
             for S in range(ns):
                 if not active[S]:
                     continue
@@ -373,7 +374,7 @@ def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work,
                 if kind == 2:
                     val = c + D
                 else:
-                    rest = V[_next_state(off, SD, K, r, kind, S2)]
+                    rest = V[nxt + S2]
                     if rest >= BIG:
                         continue
                     rest += held
@@ -474,6 +475,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
                     if masks:
                         c = _segment_masks(l, r, kind, flag, K, SD, sc, ms)
                     kept = K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0
+                    nxt = _next_state(off, SD, K, r, kind)
                     for S in range(ns):
                         h = H[off[l] + flag * ns + S]
                         if h >= BIG:
@@ -486,10 +488,9 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
                             c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
                         if h + c + D > cap:
                             continue
-                        nxt = _next_state(off, SD, K, r, kind, S2)
                         h2 = h + c + held + kept
-                        if h2 < H[nxt]:
-                            H[nxt] = h2
+                        if h2 < H[nxt + S2]:
+                            H[nxt + S2] = h2
     return H, np.int64(work)
 
 
@@ -563,23 +564,38 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                 if S & unheld[l] or Hmin[st] >= BIG:
                     continue  # (unreachable, or only past the cap: no points)
                 limit = cap - Hmin[st]  # a suffix point above it is in no plan within the cap
-                cand, m, work = _state_candidates(l, flag, S, n, rlast, limit, floors, masks, block, allow_stored,
-                                                  max_work, K, SD, off, Cpre, sc, cb, Db, Hb, Sb, pool, first, count,
-                                                  cand, work)
-                if m < 0:  # (past max_work)
-                    return _no_front()
-                if m == 0:
-                    count[st] = 0
-                    continue
-                work += m
-                pool, used = keep_front(cand, m, pool, used)
-                if grain > 0:  # one point per peak bucket: its least recomputation (an approximate front)
-                    keep = first[st]
-                    for i in range(first[st], used):
-                        if i == used - 1 or pool[i, PEAK] // grain != pool[i + 1, PEAK] // grain:
-                            pool[keep] = pool[i]
-                            keep += 1
-                    used = keep
+                m = 0
+                for r in range(l, rlast + 1):  # the state's candidates: each segment over its suffix front
+                    if floors[r - l] > limit:
+                        break
+                    for kind in range(3):
+                        if not _takes(kind, r, n, allow_stored):
+                            continue
+                        if masks:
+                            q = 3 * (r - l) + kind
+                            c, D, held, S2 = cb[q], Db[q, S % block], Hb[q, S % block], Sb[q, S % block]
+                        else:
+                            c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
+                        work += r - l + 1
+                        if c + D > limit:
+                            continue
+                        if kind == 2:
+                            cand = grow_points(cand, m + 2)
+                            add_point(cand, m, c + D, 0, r, -1, 2)
+                            m += 1
+                            continue
+                        nxt = _next_state(off, SD, K, r, kind) + S2
+                        extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
+                        rc = _recomputed(l, r, kind, K, Cpre)
+                        cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
+                                                    limit)
+                        if max_work > 0 and work + m > max_work:
+                            return _no_front()
+                if m > 0:
+                    work += m
+                    pool, used = keep_front(cand, m, pool, used)
+                    if grain > 0:  # one point per peak bucket: its least recomputation (an approximate front)
+                        used = coarsen(pool, first[st], used, grain)
                 count[st] = used - first[st]
     peaks, recs, flat, offsets, sflat, soffsets = front_plans(pool, first[off[0]], count[off[0]], n)
     return peaks, recs, flat, offsets, sflat, soffsets, True
@@ -619,51 +635,22 @@ def _score_block(l, flag, S, ns, block, rlast, n, allow_stored, Hmin, st, K, SD,
 
 
 @njit(cache=True)
-def _state_candidates(l, flag, S, n, rlast, limit, floors, masks, block, allow_stored, max_work, K, SD, off, Cpre, sc,
-                      cb, Db, Hb, Sb, pool, first, count, cand, work):
-    """The candidate points of state ``(l, flag, S)``: per segment ``[l, r]`` it may take (scored in the block
-    buffers, or here mask by mask) within ``limit``, the suffix points of the state after it
-    (:func:`~ckptopt.solvers.fronts.add_suffix_points`). Returns ``(cand, m, work)``; ``m`` is -1 once the
-    work passes ``max_work``."""
-    m = 0
-    for r in range(l, rlast + 1):
-        if floors[r - l] > limit:
-            break
-        for kind in range(3):
-            if not _takes(kind, r, n, allow_stored):
-                continue
-            if masks:
-                q = 3 * (r - l) + kind
-                c, D, held, S2 = cb[q], Db[q, S % block], Hb[q, S % block], Sb[q, S % block]
-            else:
-                c, D, held, S2 = _segment(l, r, kind, flag, S, K, SD, sc)
-            work += r - l + 1
-            if c + D > limit:
-                continue
-            if kind == 2:
-                cand = grow_points(cand, m + 2)
-                add_point(cand, m, c + D, 0, r, -1, 2)
-                m += 1
-                continue
-            nxt = _next_state(off, SD, K, r, kind, S2)
-            extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
-            rc = 0
-            if kind == 0:
-                e = recompute_span(l, r, K)[1]
-                rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
-            cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind, limit)
-            if max_work > 0 and work + m > max_work:
-                return cand, -1, work
-    return cand, m, work
+def _recomputed(l, r, kind, K, Cpre):
+    """The compute a segment ``[l, r]`` of ``kind`` re-runs (only a checkpointed one does)."""
+    if kind != 0:
+        return 0
+    e = recompute_span(l, r, K)[1]
+    return Cpre[e + 1] - Cpre[l] if e >= l else 0
 
 
 @njit(cache=True)
-def _next_state(off, SD, K, r, kind, S2):
-    """The state after a segment ending at ``r``: layer ``r + 1``, flagged when the segment is stored and
-    keeps its output (``x_r`` is held, not a checkpoint), and the side tensors held then (``S2``)."""
+def _next_state(off, SD, K, r, kind):
+    """The state after a segment ending at ``r`` with no side tensor held: layer ``r + 1``, flagged when the
+    segment is stored and keeps its output (``x_r`` is held, not a checkpoint); the mask of the side tensors
+    held then is added to it."""
     nb2 = SD.bptr[r + 2] - SD.bptr[r + 1]
     f2 = 1 if kind == 1 and K.sout[r] != 0 else 0
-    return off[r + 1] + f2 * (1 << nb2) + S2
+    return off[r + 1] + f2 * (1 << nb2)
 
 
 # --------------------------------------------------------------------------
