@@ -167,15 +167,6 @@ def segment_hold(l, r, unwrapped, prev_keeps, full, K):
 
 
 @njit(cache=True)
-def after_segment(l, r, stored, K):
-    """``(kept, prev_keeps)`` after segment ``[l, r]``: a stored segment keeps what its layers save for every
-    later segment, and its output too when its last layer saves it (the next segment's input is held)."""
-    if stored:
-        return K.P[r] - K.P[l] + K.keep[r], K.sout[r] != 0
-    return 0, False
-
-
-@njit(cache=True)
 def segment_peak(l, r, unwrapped, full, K, live_in, prev_keeps):
     """(peak, phase, layer) of segment ``[l, r]`` relative to its checkpoints. O(r - l).
 
@@ -314,14 +305,6 @@ def segment_terms(l, r, unwrapped, K, live_in, prev_keeps, fadd, radd, badd, out
 
 
 @njit(cache=True)
-def plan_segment(starts, stored, k, n):
-    """``(l, r, last, unwrapped)`` of segment ``k`` of the plan whose segments start at ``starts``."""
-    m = starts.shape[0]
-    last = k == m - 1
-    return starts[k], (starts[k + 1] - 1 if k + 1 < m else n - 1), last, last or stored[k] != 0
-
-
-@njit(cache=True)
 def simulate_plan(starts, stored, n, full, K):
     """Peak of the plan whose segments start at ``starts`` (sorted, starts[0] == 0).
 
@@ -333,16 +316,24 @@ def simulate_plan(starts, stored, n, full, K):
     """
     held, best, phase, layer, seg = 0, NEG, -1, -1, -1
     prev_keeps = False
-    for k in range(starts.shape[0]):
-        l, r, last, st = plan_segment(starts, stored, k, n)
-        c, live_in = segment_hold(l, r, st, prev_keeps, full, K)
+    m = starts.shape[0]
+    for k in range(m):  # (written out, not through segment_hold: numba's calls cost in this loop)
+        l = starts[k]
+        r = starts[k + 1] - 1 if k + 1 < m else n - 1
+        last = k == m - 1
+        st = last or stored[k] != 0
+        c = 0 if prev_keeps else held_checkpoint(l, r, st, full, K)
+        live_in = K.ck[l] - c if k > 0 and not prev_keeps else 0
         held += c
         v, ph, ly = segment_peak(l, r, st, full, K, live_in, prev_keeps)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
-        kept, prev_keeps = after_segment(l, r, st and not last, K)
-        held += kept
+        if st and not last:  # a stored segment keeps what its layers save, and its output if it saves it
+            held += K.P[r] - K.P[l] + K.keep[r]
+            prev_keeps = K.sout[r] != 0
+        else:
+            prev_keeps = False
     return best, phase, layer, seg
 
 

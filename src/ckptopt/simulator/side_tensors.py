@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from .kernels import NEG, after_segment, first_saving, plan_segment, recompute_span, segment_hold, segment_peak_add
+from .kernels import NEG, first_saving, held_checkpoint, recompute_span, segment_peak_add
 
 __all__ = ["side_terms", "side_terms_frame", "frame_split", "joint_order", "simulate_plan_side",
            "SideScratch", "side_scratch"]
@@ -379,16 +379,25 @@ def simulate_plan_side(starts, stored, n, K, SD, sc):
     held, best, phase, layer, seg = 0, NEG, -1, -1, -1
     prev_keeps = False
     S = 0
-    for k in range(starts.shape[0]):
-        l, r, last, st = plan_segment(starts, stored, k, n)
-        c, live_in = segment_hold(l, r, st, prev_keeps, True, K)
+    m = starts.shape[0]
+    for k in range(m):  # (as simulate_plan, with the side terms)
+        l = starts[k]
+        r = starts[k + 1] - 1 if k + 1 < m else n - 1
+        last = k == m - 1
+        st = last or stored[k] != 0
+        c = 0 if prev_keeps else held_checkpoint(l, r, st, True, K)
+        live_in = K.ck[l] - c if k > 0 and not prev_keeps else 0
         held += c
         dside, S2 = side_terms(l, r, st, prev_keeps, S, K, SD, sc)
         v, ph, ly = segment_peak_add(l, r, st, True, K, live_in, prev_keeps, sc.fadd, sc.radd, sc.badd, True)
         v += held
         if v > best:
             best, phase, layer, seg = v, ph, ly, k
-        kept, prev_keeps = after_segment(l, r, st and not last, K)
-        held += dside + kept
+        held += dside
+        if st and not last:
+            held += K.P[r] - K.P[l] + K.keep[r]
+            prev_keeps = K.sout[r] != 0
+        else:
+            prev_keeps = False
         S = S2
     return best, phase, layer, seg

@@ -18,8 +18,7 @@ from ..simulator.kernels import BIG, NEG, held_checkpoint, plan_recompute, segme
 from ..simulator.side_tensors import side_scratch, simulate_plan_side
 from .limits import BRUTE_MAX_N, TIE_BREAK_MAX_WORK, within_tie_break
 from .pareto import FrontTooLarge, least_recompute
-from .rows import (better_lex, checkpoints_of_mask, plan_from_choice, segment_row, segment_row_buffers, starts_of_mask,
-                   with_live_in)
+from .rows import (better_lex, checkpoints_of_mask, plan_from_choice, segment_row, segment_row_buffers, starts_of_mask)
 from . import side_tensors
 
 __all__ = ["brute", "dp", "dp2"]
@@ -143,45 +142,53 @@ def dp_cubic(n, full, K):
     the segment holds; D(l, n-1) is the unwrapped last segment and V(n) = -inf.
     Returns (optimum without static, checkpoints).
     """
-    return _chain_program(n, full, K, False)
+    V = np.empty(n + 1, dtype=np.int64)
+    V[n] = NEG
+    choice = np.empty(n, dtype=np.int64)
+    for l in range(n - 1, -1, -1):
+        bestv, bestr = BIG, -1
+        for r in range(l, n):
+            last = r == n - 1
+            c = held_checkpoint(l, r, last, full, K)
+            D = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0, False)[0]
+            rest = V[r + 1]
+            val = c + (D if D > rest else rest)
+            if val <= bestv:  # ties: the longest segment
+                bestv, bestr = val, r
+        V[l], choice[l] = bestv, bestr
+    return V[0], plan_from_choice(choice, n)
 
 
 @njit(cache=True)
 def dp_quadratic(n, full, K):
-    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) extended as r grows."""
-    return _chain_program(n, full, K, True)
-
-
-@njit(cache=True)
-def _chain_program(n, full, K, incremental):
-    """The recurrence of :func:`dp_cubic`, each segment priced by the simulator's kernel, or, when
-    ``incremental``, read from the running maxima of :func:`~ckptopt.solvers.rows.segment_row`."""
+    """Exact O(n^2) program: the recurrence of dp_cubic, D(l, r) read from the running maxima of
+    :func:`~ckptopt.solvers.rows.segment_row` as r grows (the live input of with_live_in written out: a
+    call per (l, r) passing the kernel arrays made the program several times slower)."""
     V = np.empty(n + 1, dtype=np.int64)
     V[n] = NEG
     choice = np.empty(n, dtype=np.int64)
     row = segment_row_buffers(n)
+    Dc0, Ds0, hold = row.Dc0, row.Ds0, row.hold
     Cpre = np.zeros(n + 1, dtype=np.int64)
     for l in range(n - 1, -1, -1):
-        if incremental:
-            segment_row(l, n, full, K, Cpre, row)
-        bestv = BIG
-        bestr = -1
+        segment_row(l, n, full, K, Cpre, row)
+        bestv, bestr = BIG, -1
         for r in range(l, n):
-            last = r == n - 1
-            if not incremental:
-                c = held_checkpoint(l, r, last, full, K)
-                d = segment_peak(l, r, last, full, K, K.ck[l] - c if l > 0 else 0, False)[0]
+            if r == n - 1:
+                c = held_checkpoint(l, r, True, full, K)
+                d = Ds0[r]  # after a checkpointed segment
             else:
-                c = held_checkpoint(l, r, True, full, K) if last else row.hold[r]
-                d = row.Ds0[r] if last else row.Dc0[r]  # (after a checkpointed segment)
-                d = with_live_in(l, c, 0, d, K, last)  # (the input is live while the first layer runs)
+                c = hold[r]
+                d = Dc0[r]
+            if l > 0 and c == 0:  # the input is live while the first layer runs
+                v = K.ck[l] + ((K.ff[l] if K.sin[l] == 0 else K.f[l]) if r == n - 1 else K.fc[l])
+                if v > d:
+                    d = v
             rest = V[r + 1]
             val = c + (d if d > rest else rest)
-            if val <= bestv:  # ties: the longest segment
-                bestv = val
-                bestr = r
-        V[l] = bestv
-        choice[l] = bestr
+            if val <= bestv:
+                bestv, bestr = val, r
+        V[l], choice[l] = bestv, bestr
     return V[0], plan_from_choice(choice, n)
 
 

@@ -584,9 +584,15 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                             add_point(cand, m, c + D, 0, r, -1, 2)
                             m += 1
                             continue
-                        nxt = _next_state(off, SD, K, r, kind) + S2
+                        # (the next state and the recomputation written out: a call passing the kernel and side
+                        # arrays per state and segment costs time here, as _next_state and recompute_span say)
+                        nb2 = SD.bptr[r + 2] - SD.bptr[r + 1]
+                        nxt = off[r + 1] + (1 << nb2 if kind == 1 and K.sout[r] != 0 else 0) + S2
                         extra = held + (K.P[r] - K.P[l] + K.keep[r] if kind == 1 else 0)
-                        rc = _recomputed(l, r, kind, K, Cpre)
+                        rc = 0
+                        if kind == 0:
+                            e = recompute_span(l, r, K)[1]
+                            rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
                         cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
                                                     limit)
                         if max_work > 0 and work + m > max_work:
@@ -632,15 +638,6 @@ def _score_block(l, flag, S, ns, block, rlast, n, allow_stored, Hmin, st, K, SD,
                     Hb[q, t] = ms.held[S + t]
                     Sb[q, t] = ms.S2[S + t]
     return True
-
-
-@njit(cache=True)
-def _recomputed(l, r, kind, K, Cpre):
-    """The compute a segment ``[l, r]`` of ``kind`` re-runs (only a checkpointed one does)."""
-    if kind != 0:
-        return 0
-    e = recompute_span(l, r, K)[1]
-    return Cpre[e + 1] - Cpre[l] if e >= l else 0
 
 
 @njit(cache=True)
