@@ -1,6 +1,6 @@
 """Least recomputation: the lexicographic tie-break of the exact solvers and the budget solver,
 against an independent enumeration of every plan (peak from the simulator, recomputation from
-recomputed_layers)."""
+recomputed_layers plus the fixed cost of each checkpointed segment)."""
 
 import itertools
 
@@ -15,13 +15,24 @@ from ckptopt.solvers import pareto_front
 from .common.strategies import additive_costs, full_costs, random_additive, random_full
 
 
+def added(c, plan, stored=()):
+    """What a plan adds to a step, summed independently of the kernels: the compute of the layers it
+    re-runs, and ``segment_cost`` for each segment it checkpoints (every segment but the last and the
+    stored ones)."""
+    return int(sum(int(c.c[i]) for i in recomputed_layers(c, plan, stored))) + c.segment_cost * (len(plan) - len(stored))
+
+
+def cost(sim):
+    """What a simulated plan adds to a step (the least-recomputation solvers' objective)."""
+    return sim.recompute_flops + sim.segment_overhead
+
+
 def every_plan(c):
-    """(peak, recompute, plan) of all 2^(n-1) plans, recomputation summed independently of the kernels."""
+    """(peak, recompute, plan) of all 2^(n-1) plans."""
     out = []
     for k in range(c.n):
         for plan in itertools.combinations(range(1, c.n), k):
-            rec = int(sum(int(c.c[i]) for i in recomputed_layers(c, plan)))
-            out.append((simulate(c, plan).peak_bytes, rec, plan))
+            out.append((simulate(c, plan).peak_bytes, added(c, plan), plan))
     return out
 
 
@@ -35,8 +46,7 @@ def every_plan_with_stored(c):
         starts = (0,) + plan
         for k in range(len(starts)):
             for stored in itertools.combinations(starts[:-1], k):
-                r = int(sum(int(c.c[i]) for i in recomputed_layers(c, plan, stored)))
-                out.append((simulate(c, plan, stored).peak_bytes, r, plan, stored))
+                out.append((simulate(c, plan, stored).peak_bytes, added(c, plan, stored), plan, stored))
     return out
 
 
@@ -53,8 +63,9 @@ def test_simulator_reports_the_recomputation_of_recomputed_layers(c, data):
     plan = tuple(sorted(data.draw(st.sets(st.integers(1, max(1, c.n - 1)), max_size=c.n - 1)) - {c.n} if c.n > 1 else set()))
     r = simulate(c, plan)
     assert r.recompute_flops == sum(int(c.c[i]) for i in recomputed_layers(c, plan))
+    assert r.segment_overhead == c.segment_cost * len(plan)
     assert r.forward_flops == int(np.sum(c.c))
-    assert 0 <= r.recompute_share <= 1 / 3 + 1e-12
+    assert 0 <= r.recompute_flops / max(1, 3 * r.forward_flops) <= 1 / 3 + 1e-12
 
 
 @given(full_costs(max_n=9))
@@ -64,14 +75,14 @@ def test_exact_solvers_pick_the_least_recomputation_among_optimal_plans(c):
     for s in ("brute", "dp", "dp2"):
         p = solve(c, s)
         r = simulate(c, p.checkpoints)
-        assert (r.peak_bytes, r.recompute_flops) == (peak, rec), s
+        assert (r.peak_bytes, cost(r)) == (peak, rec), s
 
 
 @given(additive_costs(max_n=10))
 def test_linear_picks_the_least_recomputation_on_additive(c):
     peak, rec, _ = min(every_plan(c))
     r = simulate(c, solve(c, "linear").checkpoints)
-    assert (r.peak_bytes, r.recompute_flops) == (peak, rec)
+    assert (r.peak_bytes, cost(r)) == (peak, rec)
 
 
 @given(st.one_of(full_costs(max_n=9), additive_costs(max_n=9)))
@@ -86,7 +97,7 @@ def test_pareto_front_equals_enumeration(c):
     for p, r, plan, stored in got:  # each point's plan really has that peak and recomputation
         assert stored == ()
         s = simulate(c, plan)
-        assert (s.peak_bytes, s.recompute_flops) == (p, r)
+        assert (s.peak_bytes, cost(s)) == (p, r)
 
 
 @given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)))
@@ -96,7 +107,7 @@ def test_pareto_front_with_stored_segments_equals_enumeration(c):
     assert [(p, r) for p, r, _, _ in got] == front_of(plans)
     for p, r, plan, stored in got:
         s = simulate(c, plan, stored)
-        assert (s.peak_bytes, s.recompute_flops) == (p, r)
+        assert (s.peak_bytes, cost(s)) == (p, r)
     # stored segments never make the lowest peak worse, and the checkpoint-only front is dominated
     only_ckpt = pareto_front(c, allow_stored=False)
     assert got[0][0] <= only_ckpt[0][0]
@@ -116,10 +127,10 @@ def test_auto_stored_pass_reaches_the_lexicographic_optimum_over_every_plan(c):
     if c.is_additive:
         assert got == base
         return
-    assert (s.peak_bytes, s.recompute_flops) == min((p, r) for p, r, *_ in every_plan_with_stored(c))
+    assert (s.peak_bytes, cost(s)) == min((p, r) for p, r, *_ in every_plan_with_stored(c))
     if got.stored or got.checkpoints != base.checkpoints:
         assert got.solver == "dp2+stored"
-        assert (got.peak_bytes, s.recompute_flops) < (base.peak_bytes, simulate(c, base.checkpoints).recompute_flops)
+        assert (got.peak_bytes, cost(s)) < (base.peak_bytes, cost(simulate(c, base.checkpoints)))
     else:
         assert got == base
 
@@ -131,7 +142,7 @@ def test_merging_adjacent_unwrapped_segments_keeps_peak_and_recompute(c):
     for peak, rec, plan, stored in every_plan_with_stored(c)[:200]:
         p2, s2 = merge_unwrapped(plan, stored)
         s = simulate(c, p2, s2)
-        assert (s.peak_bytes, s.recompute_flops) == (peak, rec), (plan, stored, p2, s2)
+        assert (s.peak_bytes, cost(s)) == (peak, rec), (plan, stored, p2, s2)
 
 
 @given(st.one_of(full_costs(max_n=7), additive_costs(max_n=7)), st.data())
@@ -149,7 +160,7 @@ def test_budget_solver_against_enumeration(c, data):
     p = solve(c, "budget", budget=budget)
     r = simulate(c, p.checkpoints, p.stored)
     assert r.peak_bytes == p.peak_bytes <= budget
-    assert r.recompute_flops == min(fitting)
+    assert cost(r) == min(fitting)
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(12, 120), st.booleans())
@@ -159,10 +170,10 @@ def test_dp_and_dp2_agree_on_larger_models(seed, n, additive):
     c = random_additive(rng, n) if additive else random_full(rng, n)
     a, b = solve(c, "dp"), solve(c, "dp2")
     ra, rb = simulate(c, a.checkpoints), simulate(c, b.checkpoints)
-    assert (ra.peak_bytes, ra.recompute_flops) == (rb.peak_bytes, rb.recompute_flops)
+    assert (ra.peak_bytes, cost(ra)) == (rb.peak_bytes, cost(rb))
     if additive:
         rl = simulate(c, solve(c, "linear").checkpoints)
-        assert (rl.peak_bytes, rl.recompute_flops) == (ra.peak_bytes, ra.recompute_flops)
+        assert (rl.peak_bytes, cost(rl)) == (ra.peak_bytes, cost(ra))
 
 
 @given(st.integers(0, 2**32 - 1), st.integers(12, 60))
@@ -181,7 +192,7 @@ def test_budget_curve_is_monotone_and_consistent(seed, n):
     # the budget solver at each point's peak recomputes exactly that point's amount
     for p, r, *_ in wide[:: max(1, len(wide) // 5)]:
         b = solve(c, "budget", budget=p)
-        assert simulate(c, b.checkpoints, b.stored).recompute_flops == r
+        assert cost(simulate(c, b.checkpoints, b.stored)) == r
 
 
 def test_budget_needs_a_budget():
@@ -207,5 +218,5 @@ def test_hand_case_prefers_the_cheaper_recomputation():
     plans = every_plan(c)
     peak, rec, _ = min(plans)
     p = solve(c, "dp2")
-    assert simulate(c, p.checkpoints).recompute_flops == rec
+    assert cost(simulate(c, p.checkpoints)) == rec
     assert sum(1 for pk, r, _ in plans if pk == peak) > 1  # a real tie was broken

@@ -241,6 +241,9 @@ class KernelArrays(NamedTuple):
               nothing holds the layer's input
     ``fc``    ``f`` in a checkpoint's first pass (its saved tensors not kept): the forward term of a
               checkpointed segment's first layer; ``fw`` is the input plus ``ffc``
+    ``cseg``  the fixed cost of running a checkpointed segment that starts at layer i, in the unit of
+              the compute costs (:attr:`ChainCosts.segment_cost`): the solvers add it to the segment's
+              recomputation
 
     For the additive form only ``P``, ``qb`` (= ``q``), ``ck`` (= ``w``), ``keep``
     (= ``h``), ``qbk`` and ``qbf`` are meaningful; ``runs``, ``saves``, ``sin`` and ``ext``
@@ -274,6 +277,7 @@ class KernelArrays(NamedTuple):
     qbkt: np.ndarray
     rbp: np.ndarray
     ckf: np.ndarray
+    cseg: np.ndarray
 
     @classmethod
     def of(cls, n: int, **arrays: Any) -> "KernelArrays":
@@ -305,6 +309,12 @@ class ChainCosts:
         A label per layer, for display.
     c, cb, unit : optional
         Forward and backward compute per layer, and its unit (module docstring).
+    segment_cost : int, optional
+        The fixed cost, in the unit of ``c``, of running one segment under a checkpoint besides the
+        compute it re-runs (the checkpoint call, its saved-tensor hooks, the re-run's dispatch). The
+        least-recomputation solvers and the lowest peak's tie-break minimise recomputation plus this
+        per checkpointed segment, so of plans alike in recomputation they take the one with fewer
+        segments. Default 0.
     side : sequence of SideTensor or dict, optional
         Tensors crossing layer boundaries besides the chain tensor (docs/design.md §4).
 
@@ -324,11 +334,11 @@ class ChainCosts:
     """
 
     def __init__(self, *, static: int = 0, names: Iterable[str] | None = None, c: Sequence[int] | None = None,
-                 cb: Sequence[int] | None = None, unit: str = "flops",
+                 cb: Sequence[int] | None = None, unit: str = "flops", segment_cost: int = 0,
                  side: Sequence[SideTensor | Mapping[str, Any]] | None = None, **fields: Sequence[int]):
         given = _by_symbol(fields, _FULL, "full")
         _check_given(FULL, given)
-        self._init("full", given, static, names, c, cb, unit)
+        self._init("full", given, static, names, c, cb, unit, segment_cost)
         self._fields = _with_defaults(FULL, self._fields, set(given), self.n)
         groot = self._fields["groot"]
         bad = np.flatnonzero((groot < np.arange(self.n)) | (groot >= self.n))
@@ -341,7 +351,7 @@ class ChainCosts:
 
     # -- construction -------------------------------------------------------
     def _init(self, kind: str, values: Mapping[str, Any], static: Any, names: Any, c: Any = None, cb: Any = None,
-              unit: str = "flops") -> None:
+              unit: str = "flops", segment_cost: Any = 0) -> None:
         table = _FULL if kind == "full" else _ADDITIVE
         fields = {}
         for name, v in values.items():
@@ -394,6 +404,7 @@ class ChainCosts:
         if not isinstance(unit, str) or not unit:
             raise InvalidCosts(f"unit must be a name such as 'flops' or 'ns', got {unit!r}", field="unit")
         self.unit = unit
+        self.segment_cost = _int_scalar("segment_cost", segment_cost)
 
     @property
     def cb(self) -> np.ndarray | None:
@@ -430,10 +441,11 @@ class ChainCosts:
         c: Sequence[int] | None = None,
         cb: Sequence[int] | None = None,
         unit: str = "flops",
+        segment_cost: int = 0,
     ) -> "ChainCosts":
         """Build the additive form (see the module docstring). ``w[0]`` is unused."""
         self = cls.__new__(cls)
-        self._init("additive", dict(w=w, h=h, q=q), static, names, c, cb, unit)
+        self._init("additive", dict(w=w, h=h, q=q), static, names, c, cb, unit, segment_cost)
         self.side = ()
         return self
 
@@ -461,7 +473,8 @@ class ChainCosts:
         if extra:
             raise InvalidCosts(f"cost file of kind {kind!r} has unknown field(s) {', '.join(extra)}", field=extra[0])
         common = dict(static=data.get("static", 0), names=data.get("names"), c=data.get("compute"),
-                      cb=data.get("backward_compute"), unit=data.get("compute_unit", "flops"))
+                      cb=data.get("backward_compute"), unit=data.get("compute_unit", "flops"),
+                      segment_cost=data.get("segment_cost", 0))
         if kind == "full":
             return cls(**layers, side=data.get("side"), **common)
         return cls.additive(**{table[k].symbol: v for k, v in layers.items()}, **common)
@@ -504,6 +517,8 @@ class ChainCosts:
             out["backward_compute"] = [int(x) for x in self._cb]
         if self.unit != "flops":
             out["compute_unit"] = self.unit
+        if self.segment_cost:
+            out["segment_cost"] = self.segment_cost
         if self.side:
             out["side"] = [t.to_dict() for t in self.side]
         return out
@@ -568,6 +583,7 @@ class ChainCosts:
             and self.has_compute == other.has_compute
             and np.array_equal(self._c, other._c)
             and self.unit == other.unit
+            and self.segment_cost == other.segment_cost
             and (self._cb is None) == (other._cb is None)
             and (self._cb is None or np.array_equal(self._cb, other._cb))
             and self.side == other.side
@@ -621,7 +637,7 @@ class ChainCosts:
             one = np.ones(n, dtype=np.int64)
             # every backward term is q; every layer runs, saves and saves its input; the rest is 0
             return KernelArrays.of(n, P=P, qb=q, ck=ck, runs=one, saves=one, sin=one, keep=h, ext=one, qbk=q, qbf=q,
-                                   qbr=q, qbkr=q, qbt=q, qbkt=q)
+                                   qbr=q, qbkr=q, qbt=q, qbkt=q, cseg=np.full(n, self.segment_cost))
         a, sin, sout, m, f, b = (self._fields[k] for k in ("a", "sin", "sout", "m", "f", "b"))
         G = self.grad_after
         nxt_sin = np.concatenate([sin[1:], [0]])
@@ -671,7 +687,8 @@ class ChainCosts:
         return KernelArrays.of(n, P=P, qb=qb, ck=a_prev, qf=qf, fw=fw, f=f, G=G, a=a, runs=runs, saves=saves, sin=sin,
                                qs=qs, fs=fs, keep=keep, sout=sout, rb=rb, ext=ext, qbk=qbk, qbf=qbf, qbr=qbr, qbkr=qbkr,
                                ff=ff, fc=self._fields["fc"], qbt=qb - b + self._fields["brt"],
-                               qbkt=qb - b + self._fields["bkrt"], rbp=rbp, ckf=ckf)
+                               qbkt=qb - b + self._fields["bkrt"], rbp=rbp, ckf=ckf,
+                               cseg=np.full(n, self.segment_cost))
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

@@ -37,7 +37,7 @@ def full_costs(draw, max_n: int = 12, max_value: int = 100):
     return ChainCosts(
         a=a, p=p, sin=sin, sout=sout, m=m, f=f, b=b, static=static, fs=fs,
         c=c, rg=rg, dead=dead, bk=bk, bf=bf, g=g, holds=holds, br=br, bkr=bkr, ff=ff, ffs=ffs,
-        brt=brt, bkrt=bkrt, rgp=rgp,
+        brt=brt, bkrt=bkrt, rgp=rgp, segment_cost=draw(segment_cost()),
     )
 
 
@@ -47,13 +47,19 @@ def compute(n: int):
                      st.lists(st.integers(0, 1000), min_size=n, max_size=n))
 
 
+def segment_cost():
+    """The fixed cost of a checkpointed segment: none, or small against the compute so that it trades
+    with recomputation (drawn last, so the other draws of an example do not move)."""
+    return st.one_of(st.just(0), st.integers(0, 3), st.integers(0, 400))
+
+
 @st.composite
 def additive_costs(draw, max_n: int = 14, max_value: int = 100):
     n = draw(st.integers(1, max_n))
     hi = draw(st.sampled_from([3, 20, max_value]))
     ints = st.lists(st.integers(0, hi), min_size=n, max_size=n)
     return ChainCosts.additive(w=draw(ints), h=draw(ints), q=draw(ints), static=draw(st.integers(0, hi)),
-                               c=draw(compute(n)))
+                               c=draw(compute(n)), segment_cost=draw(segment_cost()))
 
 
 def random_additive(rng: np.random.Generator, n: int, hi: int = 1000) -> ChainCosts:

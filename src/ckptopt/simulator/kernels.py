@@ -339,7 +339,8 @@ def simulate_plan(starts, stored, n, full, K):
 
 @njit(cache=True)
 def plan_recompute(starts, stored, n, full, K, Cpre):
-    """Compute a plan adds by re-running its checkpointed segments in backward. O(n)."""
+    """Compute a plan adds by re-running its checkpointed segments in backward, each segment's fixed
+    cost ``cseg`` included. O(n)."""
     total = 0
     m = starts.shape[0]
     for k in range(m - 1):
@@ -347,6 +348,7 @@ def plan_recompute(starts, stored, n, full, K, Cpre):
             continue
         l = starts[k]
         r = starts[k + 1] - 1
+        total += K.cseg[l]
         if not full:
             total += Cpre[r + 1] - Cpre[l]
             continue

@@ -50,7 +50,10 @@ class SimResult:
     step_flops : int
         Compute of one step without recomputation (:attr:`ChainCosts.step_compute`).
     unit : str
-        The unit of the three compute figures.
+        The unit of the compute figures.
+    segment_overhead : int
+        The fixed cost of the plan's checkpointed segments (:attr:`ChainCosts.segment_cost` each), in
+        ``unit``: with ``recompute_flops``, what the plan adds to a step.
     """
 
     peak_bytes: int
@@ -61,14 +64,15 @@ class SimResult:
     forward_flops: int = 0
     step_flops: int = 0
     unit: str = "flops"
+    segment_overhead: int = 0
 
     @property
     def recompute_share(self) -> float:
-        """Recomputation as a share of one training step without it: the step's measured
-        forward + backward when the costs carry backward costs, else 3 x forward
-        (backward ~ 2 x forward)."""
+        """What the plan adds (recomputation and its segments' fixed cost) as a share of one training
+        step without it: the step's measured forward + backward when the costs carry backward costs,
+        else 3 x forward (backward ~ 2 x forward)."""
         step = self.step_flops or 3 * self.forward_flops
-        return self.recompute_flops / step if step else 0.0
+        return (self.recompute_flops + self.segment_overhead) / step if step else 0.0
 
     @property
     def recompute_seconds(self) -> float | None:
@@ -129,13 +133,15 @@ def simulate(costs: ChainCosts, checkpoints: Iterable[int], stored: Iterable[int
     else:
         peak, phase, layer, seg = kernels.simulate_plan(starts, keep, costs.n, full, K)
     cpre = costs.compute_prefix
-    recompute = kernels.plan_recompute(starts, keep, costs.n, full, K, cpre)
-    return SimResult(int(peak) + costs.static, PHASES[phase], int(layer), int(seg), int(recompute), int(cpre[-1]),
-                     costs.step_compute, costs.unit)
+    added = int(kernels.plan_recompute(starts, keep, costs.n, full, K, cpre))
+    overhead = costs.segment_cost * sum(1 for k in keep[:-1] if not k)  # (the last segment is never wrapped)
+    return SimResult(int(peak) + costs.static, PHASES[phase], int(layer), int(seg), added - overhead, int(cpre[-1]),
+                     costs.step_compute, costs.unit, overhead)
 
 
 def plan_recompute(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...] = ()) -> int:
-    """Recomputation of a (validated) plan, in the unit of ``costs.c``."""
+    """Recomputation of a (validated) plan, its segments' fixed cost included, in the unit of ``costs.c``
+    (the least-recomputation solvers' objective)."""
     starts = np.array((0,) + tuple(checkpoints), dtype=np.int64)
     return int(kernels.plan_recompute(starts, stored_flags(tuple(checkpoints), stored), costs.n,
                                       not costs.is_additive, costs.kernel_arrays, costs.compute_prefix))

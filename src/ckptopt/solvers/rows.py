@@ -65,7 +65,7 @@ def segment_row(l, n, full, K, Cpre, row):
     * ``hold[r]``: the checkpoint it holds when checkpointed (the rule of
       ``held_checkpoint``; the unwrapped hold does not depend on r);
     * ``rec[r]``: the compute it re-runs when checkpointed, from the prefix
-      sums ``Cpre`` of the per-layer compute.
+      sums ``Cpre`` of the per-layer compute, plus the segment's fixed cost ``cseg[l]``.
 
     One loop by design: it is the inner loop of the O(n^2) programs, and each of its fourteen running
     values changes with every ``r``; split into calls, all of them would be passed in and out per layer.
@@ -183,7 +183,7 @@ def segment_row(l, n, full, K, Cpre, row):
             hold[r] = K.ck[l]
         else:
             hold[r] = K.ck[l] if seg_saves else 0
-        rec[r] = 0 if e < l else Cpre[e + 1] - Cpre[l]
+        rec[r] = (0 if e < l else Cpre[e + 1] - Cpre[l]) + K.cseg[l]
 
 
 @njit(cache=True)

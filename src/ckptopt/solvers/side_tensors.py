@@ -592,7 +592,7 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                         rc = 0
                         if kind == 0:
                             e = recompute_span(l, r, K)[1]
-                            rc = Cpre[e + 1] - Cpre[l] if e >= l else 0
+                            rc = (Cpre[e + 1] - Cpre[l] if e >= l else 0) + K.cseg[l]
                         cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
                                                     limit)
                         if max_work > 0 and work + m > max_work:
