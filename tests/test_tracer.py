@@ -632,3 +632,23 @@ def test_a_side_tensor_that_is_a_view_of_a_buffer_adds_no_bytes():
             assert 0 <= measure_peak(opt, x) - plan.peak_bytes <= 8, name  # (the loss and its gradient)
         finally:
             opt.remove_hooks()
+
+
+def test_attention_on_cpu_is_priced_by_its_matmuls():
+    """SDPA runs on CPU as ``_scaled_dot_product_flash_attention_for_cpu``, which
+    ``torch.utils.flop_counter`` has no formula for: priced per output element, recomputing an
+    attention would look free. Its forward is two batched matmuls, 4 B H L^2 D FLOPs (the other
+    ops of the layer count one per output element)."""
+    import torch.nn.functional as F
+
+    from ckptopt.tracer.flops import forward_flops
+
+    class Attention(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q)
+
+    b, h, length, d = 2, 4, 64, 32
+    q = torch.randn(b, h, length, d, requires_grad=True)
+    matmuls = 4 * b * h * length * length * d
+    got = forward_flops(Attention(), [q])
+    assert matmuls <= got <= matmuls + 2 * q.numel()

@@ -48,6 +48,7 @@ layer 0 (see :mod:`ckptopt.plan`).
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -689,6 +690,13 @@ class ChainCosts:
                                ff=ff, fc=self._fields["fc"], qbt=qb - b + self._fields["brt"],
                                qbkt=qb - b + self._fields["bkrt"], rbp=rbp, ckf=ckf,
                                cseg=np.full(n, self.segment_cost))
+
+    def with_segment_cost(self, segment_cost: int) -> "ChainCosts":
+        """A copy of this cost model with :attr:`segment_cost` set (the arrays are shared)."""
+        out = copy.copy(self)
+        out.segment_cost = _int_scalar("segment_cost", segment_cost)
+        out.__dict__.pop("kernel_arrays", None)  # (built again, with the new cseg)
+        return out
 
     def additive_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(w, h, q)`` of the additive form.

@@ -20,18 +20,35 @@ def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: It
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+    extra = _extra_formulas()
+
     class _Elementwise(TorchDispatchMode):
         total = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func._overloadpacket not in flop_registry and not func.is_view:
+            if func._overloadpacket not in flop_registry and func._overloadpacket not in extra and not func.is_view:
                 _Elementwise.total += sum(t.numel() for t in tensor_leaves(out))
             return out
 
     _Elementwise.total = 0
     # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
     # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
-    with torch.enable_grad(), FlopCounterMode(display=False) as counter, _Elementwise():
+    with torch.enable_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter, _Elementwise():
         module(*[a.detach().clone() for a in args], *static_inputs)
     return int(counter.get_total_flops()) + int(_Elementwise.total)
+
+
+def _extra_formulas() -> dict:
+    """Formulas ``torch.utils.flop_counter`` lacks: CPU's fused attention
+    (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA runs on CPU), priced as the
+    CUDA flash kernel is. Without it a CPU attention counts one FLOP per output element, and
+    a plan that re-runs every attention looks free (issue 40)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    aten = torch.ops.aten
+    out = {}
+    op = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is not None:
+        out[op] = lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
+    return out
