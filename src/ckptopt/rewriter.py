@@ -421,8 +421,12 @@ class CheckpointedModule(nn.Module):
             lines.append(f"  segment {k}: layers {first}-{last} ({names}): {what}")
         step = ("measured forward + backward, predicted "
                 f"{1e3 * sim.recompute_seconds:.2f} ms" if sim.recompute_seconds is not None else "3x forward")
-        lines.append(f"peak reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name}); "
-                     f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute ({step})")
+        added = (f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute ({step})"
+                 if not sim.segment_overhead else
+                 f"recomputation and the segments' fixed cost {100.0 * sim.recompute_share:.1f}% of a step's "
+                 f"compute ({step}; the fixed cost "
+                 f"{100.0 * sim.segment_overhead / max(1, sim.step_flops or 3 * sim.forward_flops):.1f}%)")
+        lines.append(f"peak reached in the {sim.phase} of layer {sim.layer} ({tm.layers[sim.layer].name}); {added}")
         if tm.calibration is not None:
             cal = tm.calibration
             lines.append(f"calibrated on {cal.device}: {cal.measured} of {len(cal.layers)} layers run "
