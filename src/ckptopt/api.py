@@ -132,7 +132,6 @@ def optimize_checkpoints(
     tm = _traced_and_checked(model, example_inputs, parallel, loss_fn, leaf_modules, capture)
     device = _device_of(model)
     tm = _calibrated(model, tm, example_inputs, calibrate, parallel, device)
-    tm = _segments_priced(tm, device)
     if budget == "device":
         from .planning import device_budget
 
@@ -209,17 +208,6 @@ def _calibrated(model: nn.Module, tm, example_inputs: Any, calibrate: bool | Non
 
     cal = run_calibration(model, tm, example_inputs)
     return dataclasses.replace(tm, costs=cal.apply(tm.costs), calibration=cal)
-
-
-def _segments_priced(tm, device: torch.device):
-    """``tm`` with the fixed cost of a checkpointed segment on ``device`` in its costs (where its
-    costs carry compute: with none, a layer's cost is a count and a segment's time has no unit)."""
-    from .planning.segment_cost import segment_cost
-
-    if not tm.costs.has_compute or tm.costs.segment_cost:
-        return tm
-    cost = segment_cost(device.type, tm.costs.unit)
-    return dataclasses.replace(tm, costs=tm.costs.with_segment_cost(cost)) if cost else tm
 
 
 def _plan(tm, solver: str, budget: int | None) -> Plan:
