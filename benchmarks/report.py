@@ -566,6 +566,56 @@ def fast_recompute(r: Results) -> str:
         source(r, "compute_cost/latest.json"))
 
 
+def _ratio(x, digits: int = 3) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _frontier_row(row: dict) -> list:
+    pred = row.get("predicted_peak_bytes")
+    budget = f"{row['budget_from']}'s peak" if row.get("budget_from") else ""
+    plan = (f"{pct(row['predicted_recompute_share'], 1, False)}, {row['segments']} segments"
+            if "predicted_recompute_share" in row else "")
+    return [row["method"], _ratio(row.get("peak_vs_none")), times(row.get("time_vs_none")),
+            f"{mib(row.get('peak_bytes'))} ({row.get('peak_instrument', '–')})",
+            sb(row["peak_tracker_bytes"] - pred) if pred and "peak_tracker_bytes" in row else "",
+            plan, budget + (f" (same plan as {row['same_plan_as']})" if row.get("same_plan_as") else ""),
+            (row.get("error") or "")[:90]]
+
+
+def fast_frontier(r: Results) -> str:
+    d = r("frontier/latest.json")
+    m = meta_of(d)
+    parts = ["### The frontier: peak memory against step time",
+             "Each training-memory method as a point (peak of one step, step time), both relative to no "
+             "checkpointing of the same model: transformers' checkpointing of every layer and of every second "
+             "layer, PyTorch's selective activation checkpointing (torchtitan's way: keep matmul and fused-attention "
+             "outputs, or matmul outputs only, recompute the rest), `torch.compile` at several "
+             "`activation_memory_budget` values, ckptopt's lowest-peak plan and its plan at each peer's measured "
+             "peak (`budget=`). A step is zero_grad, forward with the model's loss and backward (no optimizer "
+             "step). "
+             + (f"Medians of {d['rounds']} interleaved rounds (order rotated each round)" if d["rounds"] > 1 else
+                "One round (a single step of each method, interleaved, after a warm-up step each): the times are "
+                "single samples, not medians")
+             + "; load before "
+             f"`{m.get('load_before', '?').split('load average:')[-1].strip()}`, after "
+             f"`{m.get('load_after', '?').split('load average:')[-1].strip()}` (1, 5, 15 min). Eager peaks from the "
+             "exact storage tracker; compiled peaks from the profiler's CPU allocator events (inductor's buffers "
+             "are invisible to the tracker), divided by the profiler's peak of no checkpointing. Measured − "
+             "predicted: ckptopt's plans, tracker bytes."]
+    for info in d["models"]:
+        mine = [x for x in d["rows"] if x["model"] == info["model"]]
+        errors = any(x.get("error") for x in mine)
+        rows = [_frontier_row(x)[:None if errors else -1] for x in mine]
+        gaps = [x["profiler_minus_tracker_bytes"] for x in mine
+                if "profiler_minus_tracker_bytes" in x and not x.get("same_plan_as")]
+        parts.append(f"**{info['model']}** ({info['sizes_text']}); the profiler against the tracker on its eager "
+                     f"steps: {sb(min(gaps)) if gaps else '–'} to {sb(max(gaps)) if gaps else '–'}.")
+        parts.append(table(["method", "peak / none", "step time / none", "measured peak", "measured − predicted",
+                            "ckptopt: predicted recompute", "ckptopt budget"] + (["error"] if errors else []), rows))
+    parts += [source(r, "frontier/latest.json"), figure(r, "frontier/frontier.png", "peak against step time")]
+    return block(*parts)
+
+
 # --------------------------------------------------------------------------
 # 4. How large?
 # --------------------------------------------------------------------------
@@ -940,7 +990,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
     ("How fast?",
      "Planning time (solvers, tracing, the plan check) and what a plan costs in step time. Times depend on the "
      "machine and its load; memory figures do not.",
-     [fast_solvers, fast_tracing, fast_recompute]),
+     [fast_solvers, fast_tracing, fast_recompute, fast_frontier]),
     ("How large?",
      "Full-size models are planned on the meta device, without their weights; per-rank figures price one rank of "
      "DDP or FSDP2 from one trace.",
