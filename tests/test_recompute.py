@@ -220,3 +220,20 @@ def test_hand_case_prefers_the_cheaper_recomputation():
     p = solve(c, "dp2")
     assert cost(simulate(c, p.checkpoints)) == rec
     assert sum(1 for pk, r, _ in plans if pk == peak) > 1  # a real tie was broken
+
+
+@given(full_costs(max_n=7), st.integers(1, 400))
+@settings(max_examples=30)
+def test_with_segment_cost_is_the_model_built_with_it(c, cost):
+    """A copy with the segment cost set plans and serialises as the model built with it, and leaves
+    the original as it was."""
+    cost += c.segment_cost  # (another cost than the model's)
+    d = c.to_dict()
+    d["segment_cost"] = cost
+    built = ChainCosts.from_dict(d)
+    c.kernel_arrays  # (built before the copy: the copy must not reuse it)
+    copied = c.with_segment_cost(cost)
+    assert copied == built and copied.to_dict() == built.to_dict()
+    assert np.array_equal(copied.kernel_arrays.cseg, built.kernel_arrays.cseg)
+    assert solve(copied, "dp2").checkpoints == solve(built, "dp2").checkpoints
+    assert c.segment_cost != cost and not np.array_equal(c.kernel_arrays.cseg, copied.kernel_arrays.cseg)
