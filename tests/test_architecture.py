@@ -24,7 +24,7 @@ MAX_LINES = 800
 # -> module, the simulator scoring plans). A module may import from its own stage or earlier ones.
 STAGES = [
     ("errors", "units"),
-    ("costs", "cost_fields", "plan", "sides"),
+    ("costs", "cost_fields", "plan", "sides", "segment_cost"),
     ("simulator",),
     ("solvers",),
     ("torch_utils", "storages", "tracker", "fake"),
@@ -33,7 +33,7 @@ STAGES = [
     ("api", "measure", "planning", "calibration"),
     ("cli", "zoo", "_models"),
 ]
-TORCH_FREE = {"errors", "units", "costs", "cost_fields", "plan", "sides", "simulator", "solvers"}
+TORCH_FREE = {"errors", "units", "costs", "cost_fields", "plan", "sides", "segment_cost", "simulator", "solvers"}
 
 
 def _modules() -> dict[str, Path]:

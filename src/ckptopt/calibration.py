@@ -42,6 +42,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .costs import ChainCosts
+from .segment_cost import segment_cost
 from .torch_utils import Inputs, no_lasting_state, normalize_inputs, tensor_leaves
 from .tracer import TracedModel
 from .tracer.cuts import WithLoss, subgraph_module
@@ -141,6 +142,7 @@ class Calibration:
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
     recompute_workspace_bytes: int = 0
+    segment_seconds: float | None = None
 
     @property
     def measured(self) -> int:
@@ -149,7 +151,8 @@ class Calibration:
 
     def apply(self, costs: ChainCosts) -> ChainCosts:
         """``costs`` with scratch in the transients, the workspaces in the static bytes, and measured
-        times (ns) as the compute costs ``c`` (forward) and ``cb`` (backward).
+        times (ns) as the compute costs ``c`` (forward) and ``cb`` (backward), and the measured fixed
+        time of a checkpointed segment (``segment_seconds``) as its ``segment_cost``.
 
         The workspace a recomputation adds (``recompute_workspace_bytes``) is counted for every
         plan: a plan that recomputes nothing is over-predicted by it (1 MiB where measured)."""
@@ -161,6 +164,7 @@ class Calibration:
         d["compute"] = [int(round(cal.forward_seconds * 1e9)) for cal in self.layers]
         d["backward_compute"] = [int(round(cal.backward_seconds * 1e9)) for cal in self.layers]
         d["compute_unit"] = "ns"
+        d["segment_cost"] = segment_cost(self.device.split(":")[0], "ns", self.segment_seconds)
         return ChainCosts.from_dict(d)
 
 
@@ -250,8 +254,52 @@ def calibrate(model: nn.Module, traced: TracedModel, example_inputs: Any, repeat
             distinct = {key: (module, make_input, statics) for module, make_input, statics, key in built}
             _replay_in_backward(list(distinct.values()), device)
             recompute_workspace = max(0, probe.workspace() - workspace)
+    seconds = checkpoint_segment_seconds(device, probe)
     return Calibration(str(device), tuple(out), workspace, time.perf_counter() - t_start,
-                       recompute_workspace_bytes=recompute_workspace)
+                       recompute_workspace_bytes=recompute_workspace, segment_seconds=seconds)
+
+
+def _sine_chain(x: torch.Tensor, length: int, wrapped: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    y = x
+    for _ in range(length):  # sin saves its input: the backward unpacks it, so a wrapper recomputes
+        y = checkpoint(torch.sin, y, use_reentrant=False, preserve_rng_state=True) if wrapped else torch.sin(y)
+    y.sum().backward()
+
+
+def checkpoint_segment_seconds(device: torch.device, probe: DeviceProbe | None = None, length: int = 32,
+                               repeats: int = 7) -> float:
+    """The fixed time of one checkpointed segment on ``device``: a step of ``length`` one-op layers
+    each run under ``torch.utils.checkpoint`` (non-reentrant, as the rewriter runs a segment) less the
+    same step unwrapped and less one more forward of the op (the recomputation), per layer; the median
+    of ``repeats`` paired runs after a warm-up. The op is on a tiny tensor, so the figure is the
+    wrapper's time: the checkpoint call, its hooks, the re-run's dispatch."""
+    probe = probe or DeviceProbe(device)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+
+    def timed(work) -> float:
+        probe.synchronize()
+        t0 = time.perf_counter()
+        work()
+        probe.synchronize()
+        return time.perf_counter() - t0
+
+    def forwards():
+        with torch.no_grad():
+            y = x
+            for _ in range(length):
+                y = torch.sin(y)
+
+    extra = []
+    for r in range(repeats + 1):  # run 0 warms up
+        wrapped = timed(lambda: _sine_chain(x, length, True))
+        plain = timed(lambda: _sine_chain(x, length, False))
+        again = timed(forwards)
+        if r:
+            extra.append((wrapped - plain - again) / length)
+    x.grad = None
+    return max(0.0, statistics.median(extra))
 
 
 class _InBackward(torch.autograd.Function):

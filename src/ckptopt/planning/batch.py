@@ -224,6 +224,9 @@ class BatchCosts:
         traced = self._traced[self._fit_batch].costs.to_dict()
         if "compute" in icpt:
             d["compute"] = [max(0, i + s * batch) for i, s in zip(icpt["compute"], slope["compute"])]
+        for k in ("compute_unit", "segment_cost"):  # (a segment's fixed cost does not grow with the batch)
+            if k in traced:
+                d[k] = traced[k]
         base = traced["layers"]
         for k, v in base.items():
             if k in ("sin", "sout", "dead", "holds"):  # flags: equal at both sizes, taken as they are

@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..costs import ChainCosts
+from ..segment_cost import segment_cost
 from ..fake import fake_copy
 from ..storages import storage_nbytes
 from ..torch_utils import Inputs, default_loss, normalize_inputs, tensor_leaves
@@ -226,6 +227,8 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
                           input=distinct_bytes(list(inputs.tensors())))
     layers, costs, hoisted, max_crossing = _measure_at_a_crossing(run, grouping, captured, loss_fn, static,
                                                                    max_crossing)
+    if costs.has_compute:  # (each checkpointed segment's fixed time, on the device it trains on)
+        costs = costs.with_segment_cost(segment_cost(_device_type(model, inputs), costs.unit))
     gm, values = captured.gm, run.values
     read = {name for l in layers for name in (l.input_node, *l.static_inputs, *l.side_inputs)}
     return TracedModel(
@@ -237,6 +240,15 @@ def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,
         tensor_meta={n.name: (tuple(v.shape), v.dtype, bool(v.requires_grad)) for n, v in values.items()
                      if n.name in read and isinstance(v, torch.Tensor)},
         max_crossing=max_crossing)
+
+
+def _device_type(model: nn.Module, inputs: Inputs) -> str:
+    """The type of the device the model trains on: its inputs' (a meta model is planned on its batch's
+    device), else its parameters'."""
+    for t in list(inputs.tensors()) + list(model.parameters()):
+        if not t.is_meta:
+            return t.device.type
+    return "meta"
 
 
 @dataclass
