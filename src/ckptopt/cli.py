@@ -283,13 +283,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _bar_chart(args, rows) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ValueError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra)") from exc
+    plt = _pyplot()
     labels = [r["solver"] for r in rows]
     pred = [r["predicted_peak_bytes"] / 2**20 for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -307,6 +301,79 @@ def _bar_chart(args, rows) -> None:
     ax.set_title(f"{args.model}: peak memory by solver")
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
+
+
+def cmd_frontier(args: argparse.Namespace) -> int:
+    from .planning.frontier import frontier
+
+    model, inputs = _load(args, meta=not args.measure)
+    points = frontier(model, inputs, points=args.points, measure=args.measure, rounds=args.rounds)
+    rows = [p.to_dict() for p in points]
+    if args.png:
+        _frontier_chart(args, points)
+    if args.json:
+        json.dump(dict(model=args.model, points=rows), sys.stdout, indent=1)
+        print()
+        return 0
+    head = f"{'method':<28} {'predicted peak':>15} {'time x':>7}"
+    if args.measure:
+        head += f" {'measured peak':>14} {'time x':>7} {'median':>9}"
+    print(f"{args.model}: peak memory against step time (time x: against no checkpointing)")
+    print(head)
+    print("-" * len(head))
+    for p in points:
+        pred = format_bytes(p.predicted_peak_bytes) if p.predicted_peak_bytes is not None else "-"
+        ratio = f"{p.predicted_time_ratio:.3f}" if p.predicted_time_ratio is not None else "-"
+        line = f"{p.label:<28} {pred:>15} {ratio:>7}"
+        if args.measure:
+            line += (f" {format_bytes(p.measured_peak_bytes):>14} {p.time_ratio:>7.3f} "
+                     f"{1e3 * p.median_seconds:>7.1f}ms")
+        print(line)
+    if len(points) == 1 or not any(p.label.startswith("ckptopt") for p in points):
+        print("no plan peaks lower than training without checkpoints: checkpointing does not pay on this model")
+    if args.measure:
+        print(f"measured: one step's peak (exact storage tracker on CPU), median of {args.rounds} interleaved "
+              "step times")
+    if args.png:
+        print(f"figure: {args.png}")
+    return 0
+
+
+def _frontier_chart(args, points) -> None:
+    plt = _pyplot()
+    measured = args.measure
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in points:
+        mine = p.label.startswith("ckptopt")
+        peak = p.measured_peak_bytes if measured else p.predicted_peak_bytes
+        ratio = p.time_ratio if measured else p.predicted_time_ratio
+        ax.scatter([peak / 2**20], [ratio], marker="o" if mine else "s", color="C0" if mine else "C1",
+                   zorder=3)
+        ax.annotate(p.label.replace("ckptopt, ", ""), (peak / 2**20, ratio), fontsize=7,
+                    xytext=(4, 3), textcoords="offset points")
+    mine = sorted((p for p in points if p.label.startswith("ckptopt")),
+                  key=lambda p: p.measured_peak_bytes if measured else p.predicted_peak_bytes)
+    ax.plot([(p.measured_peak_bytes if measured else p.predicted_peak_bytes) / 2**20 for p in mine],
+            [p.time_ratio if measured else p.predicted_time_ratio for p in mine], color="C0", lw=1,
+            label="ckptopt plans")
+    ax.set_xlabel(("measured" if measured else "predicted") + " peak memory of a training step (MiB)")
+    ax.set_ylabel(("measured" if measured else "predicted") + " step time / no checkpointing")
+    ax.set_title(f"{args.model}: memory against time (lower left is better)")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("--png needs matplotlib: pip install matplotlib (or the 'plot' extra)") from exc
+    return plt
 
 
 # --------------------------------------------------------------------------
@@ -635,6 +702,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="FILE", help="also write the results as CSV")
     p.add_argument("--png", metavar="FILE", help="also draw a bar chart of the peaks")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("frontier", help="peak memory against step time: ckptopt's plans from the lowest peak to "
+                                        "no checkpointing (and, measured, transformers' own checkpointing)")
+    _model_args(p)
+    p.add_argument("--points", type=int, default=6, metavar="K", help="how many plans (default 6)")
+    p.add_argument("--measure", action="store_true",
+                   help="run each plan: one step's peak and the median step time over --rounds interleaved rounds")
+    p.add_argument("--rounds", type=int, default=5, metavar="R", help="timed rounds with --measure (default 5)")
+    p.add_argument("--png", metavar="FILE", help="also draw the frontier (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_frontier)
 
     p = sub.add_parser("estimate", help="predicted peak of a training step (optimizer step included), with no "
                                         "checkpointing and with the optimal plan, broken down by kind")

@@ -34,7 +34,7 @@ from .tracer.capture.blocks import rebind
 from .storages import storage_bytes
 from .tracker import StorageTracker
 
-__all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake",
+__all__ = ["PeakMeasurement", "measure_peak", "measure_peak_detailed", "measure_plans_fake", "step_seconds",
            "measure_training_step", "measure_rank_step", "make_optimizer"]
 
 
@@ -111,6 +111,40 @@ def _train_step(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> N
     loss = _forward_loss(model, inputs, loss_fn)
     loss.backward()
     del loss
+
+
+def step_seconds(models: Sequence[nn.Module], example_inputs: Any, loss_fn: Callable | None = None,
+                 rounds: int = 5) -> list[float]:
+    """The median time of one training step (forward, loss, backward) of each of ``models`` on the
+    same batch: one warm-up step each, then ``rounds`` rounds, each running every model once in an
+    order rotated by one per round (so that drifts in the machine's speed fall on all alike).
+    Gradients are dropped before each step (``zero_grad(set_to_none=True)``), as a training loop does."""
+    import statistics
+    import time
+
+    inputs = normalize_inputs(example_inputs)
+    dev = resolve_device(models[0], inputs.tensors(), None, "step_seconds")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+
+    def one(model: nn.Module) -> float:
+        model.zero_grad(set_to_none=True)
+        sync()
+        t0 = time.perf_counter()
+        _train_step(model, inputs, loss_fn)
+        sync()
+        return time.perf_counter() - t0
+
+    times: list[list[float]] = [[] for _ in models]
+    with no_lasting_state(models[0], inputs.tensors(), dev):
+        for m in models:
+            one(m)
+        for r in range(rounds):
+            for k in range(len(models)):
+                j = (k + r) % len(models)
+                times[j].append(one(models[j]))
+        for m in models:
+            m.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]
 
 
 def _kept_output_steps(model: nn.Module, inputs: Inputs, loss_fn: Callable | None,
