@@ -612,8 +612,33 @@ def fast_frontier(r: Results) -> str:
                      f"steps: {sb(min(gaps)) if gaps else '–'} to {sb(max(gaps)) if gaps else '–'}.")
         parts.append(table(["method", "peak / none", "step time / none", "measured peak", "measured − predicted",
                             "ckptopt: predicted recompute", "ckptopt budget"] + (["error"] if errors else []), rows))
+    parts.append(_time_prediction(d["rows"]))
     parts += [source(r, "frontier/latest.json"), figure(r, "frontier/frontier.png", "peak against step time")]
     return block(*parts)
+
+
+def time_prediction_errors(rows: list[dict]) -> list[tuple[str, str, float]]:
+    """``(model, method, error)`` for each timed ckptopt plan: its predicted step-time ratio (1 + the
+    predicted recomputation and segments' fixed cost as a share of a step) against the measured ratio,
+    relative to the measured one."""
+    out = []
+    for x in rows:
+        if x.get("predicted_time_vs_none_flops") and x.get("time_vs_none") and not x.get("same_plan_as"):
+            out.append((x["model"], x["method"],
+                        (x["predicted_time_vs_none_flops"] - x["time_vs_none"]) / x["time_vs_none"]))
+    return out
+
+
+def _time_prediction(rows: list[dict]) -> str:
+    errs = time_prediction_errors(rows)
+    if not errs:
+        return "No ckptopt plan was timed."
+    abs_errs = sorted(abs(e) for _, _, e in errs)
+    worst = max(errs, key=lambda t: abs(t[2]))
+    return (f"Step time predicted from FLOPs (each plan's `1 +` predicted share) against measured, {len(errs)} "
+            f"distinct ckptopt plans: median absolute error {pct(statistics.median(abs_errs), 1, False)}, "
+            f"largest {pct(worst[2], 1)} ({worst[0]}, {worst[1]}); of them "
+            f"{sum(e <= 0.10 for e in abs_errs)} within 10%.")
 
 
 # --------------------------------------------------------------------------

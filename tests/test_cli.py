@@ -240,3 +240,16 @@ def test_estimate_one_rank_of_ddp_and_fsdp(capsys):
     assert mixed["parallel"]["mixed_precision"] == "bf16"
     assert mixed["param_bytes"] == fsdp["param_bytes"]  # (the fp32 master weights' shards)
     assert mixed["optimal"]["peak_bytes"] < fsdp["optimal"]["peak_bytes"]  # (bf16 activations and gathers)
+
+
+def test_library_noise_is_hidden_unless_verbose(capfd):
+    pytest.importorskip("transformers")
+    args = ["estimate", "hf:LlamaForCausalLM", "--batch", "1", "--seq", "32", "--config", "num_hidden_layers=1",
+            "--config", "hidden_size=64", "--config", "intermediate_size=128", "--config", "num_attention_heads=2",
+            "--config", "vocab_size=128"]
+    assert main(args) == 0
+    out, err = capfd.readouterr()
+    assert "optimal plan" in out and err == ""
+    assert main(args + ["--verbose"]) == 0
+    out, err = capfd.readouterr()
+    assert "optimal plan" in out and "specialized" in err  # (torch.export's note on the batch of 1)

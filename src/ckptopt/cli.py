@@ -1,14 +1,17 @@
 """Command line: ``ckptopt optimize MODEL``, ``compare MODEL``, ``profile MODEL``, ``estimate MODEL``,
-``max-batch MODEL --memory SIZE``, ``solve --costs FILE.json``.
+``max-batch MODEL --memory SIZE``, ``frontier MODEL``, ``solve --costs FILE.json``.
 
 Each subcommand prints a table by default and machine-readable output with
-``--json``. Errors for bad input go to stderr with exit status 2.
+``--json``. Errors for bad input go to stderr with exit status 2. The libraries' own warnings and
+log lines are hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 import warnings
 from importlib import resources
@@ -737,14 +740,44 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the traces each answer took")
     _planning_args(p)
     p.set_defaults(func=cmd_max_batch)
+    for p in sub.choices.values():
+        p.add_argument("--verbose", action="store_true",
+                       help="also print the warnings and log lines of the libraries ckptopt runs (torch.export, "
+                            "transformers), which are hidden by default")
     return parser
+
+
+@contextlib.contextmanager
+def _library_noise_hidden(hidden: bool):
+    """Warnings and log lines that are not ckptopt's (torch.export specializing a dimension, deprecations
+    inside the libraries) hidden while a command runs, unless ``--verbose``; ckptopt's own warnings stay."""
+    if not hidden:
+        yield
+        return
+    import torch._logging
+
+    loggers = [logging.getLogger(name) for name in ("transformers", "diffusers", "accelerate")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("default", module=r"ckptopt(\.|$)")
+        torch._logging.set_logs(all=logging.ERROR)  # (torch's loggers re-read their levels from here)
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            torch._logging.set_logs()
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with _library_noise_hidden(not args.verbose):
+            return args.func(args)
     except (CkptoptError, ValueError, TypeError, OSError) as exc:
         print(f"ckptopt {args.command}: error: {exc}", file=sys.stderr)
         return 2
