@@ -652,3 +652,37 @@ def test_attention_on_cpu_is_priced_by_its_matmuls():
     matmuls = 4 * b * h * length * length * d
     got = forward_flops(Attention(), [q])
     assert matmuls <= got <= matmuls + 2 * q.numel()
+
+
+class _StandardizedConv(nn.Conv2d):
+    """BiT's weight standardization: the first ops of the forward read the weight alone."""
+
+    def forward(self, x):
+        w = torch.nn.functional.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None,
+                                           training=True, momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return torch.nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+@pytest.mark.parametrize("capture", ["fx", "export"])
+def test_ops_on_the_weights_before_the_first_read_of_the_batch_join_the_first_layer(capture):
+    from ckptopt import optimize_checkpoints
+
+    from .common.exactness import assert_within_loss
+
+    torch.manual_seed(0)
+    net = nn.Sequential(_StandardizedConv(3, 8, 3, padding=1), nn.ReLU(), _StandardizedConv(8, 8, 3, padding=1),
+                        nn.ReLU(), _StandardizedConv(8, 8, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(8 * 16 * 16, 10))
+    x = torch.randn(4, 3, 16, 16)  # (needs no gradient: the first layer's input is the batch, read later)
+    tm = trace(net, x, capture=capture)
+    first = tm.layers[0]
+    assert first.input_node is not None and "conv2d" in " ".join(first.nodes)
+    opt = optimize_checkpoints(net, x, capture=capture, in_place=False)
+    assert opt.plan.checkpoints  # a real plan, predicted as measured
+    assert_within_loss(net, x, tm, [opt.plan.checkpoints, (), tuple(range(1, tm.n))])
+    ref = copy.deepcopy(net)
+    ref(x).sum().backward()
+    opt(x).sum().backward()
+    assert torch.equal(ref(x), opt(x))
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)

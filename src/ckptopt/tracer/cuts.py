@@ -101,7 +101,8 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
     view or in-place op at ``k`` (a segment never starts by aliasing what crosses into it) or
     written in place at or after ``k`` (a checkpoint would find its input modified) or on a
     dead branch (no gradient reaches it: its saved tensors die in the forward),
-    and no model input that requires grad is still to be read. With ``max_crossing=1`` this
+    no model input that requires grad is still to be read, and the first layer reads the batch (a
+    cut comes after the first op reading a model input or a static value). With ``max_crossing=1`` this
     is the single-tensor chain of docs/design.md §4; above, the tensors crossing a cut besides
     the chain tensor are side tensors (:class:`ckptopt.costs.SideTensor`).
     """
@@ -121,6 +122,15 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             p = pos.get(u, len(ops))
             last_use[n] = max(last_use.get(n, -1), p)
     input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n) and n not in static] or [-1])
+    # the first layer reads the batch: ops before the first read of a model input or static value read
+    # parameters alone (a weight standardization), and a layer of them would have no input to run on
+    param_only: set[fx.Node] = set()
+    for n in ops:
+        if n.all_input_nodes and all(a.op == "get_attr" or a in param_only for a in n.all_input_nodes):
+            param_only.add(n)
+    outer = set(inputs) | (set(static) - param_only)
+    first_read = next((pos[n] for n in ops if any(a in outer and is_tensor_value(a) for a in n.all_input_nodes)),
+                      0)
     # values no gradient reaches (a dead branch: nothing after reads them toward the output): their
     # saved tensors die with the forward, which the measurement of one layer sees only within it
     out_node = next(n for n in reversed(nodes) if n.op == "output")
@@ -148,7 +158,7 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
         if is_tensor_value(prev) and prev not in static and last_use.get(prev, -1) >= k:
             live.add(prev)
         live = {n for n in live if last_use.get(n, -1) >= k}
-        if not 1 <= len(live) <= max_crossing or k <= input_last:
+        if not 1 <= len(live) <= max_crossing or k <= input_last or k <= first_read:
             continue
         vals = [values.get(n) for n in live]
         if not all(isinstance(v, torch.Tensor) for v in vals) or not any(v.requires_grad for v in vals):

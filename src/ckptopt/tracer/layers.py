@@ -720,8 +720,10 @@ def _layer_inputs(members: list[fx.Node], first_in: fx.Node | None, readable: se
             )
         candidates = grad or [a for a in reads if a in readable]
         if not candidates:
-            raise TraceError("the first layer reads no tensor input; pass the batch as tensors",
-                             node=members[0].name)
+            raise TraceError(
+                f"the model's first layer (from {members[0].name}) reads no tensor of the batch: the forward must "
+                "read at least one tensor input, and the chain model starts at the first op that does; pass the "
+                "batch as tensors (lists, numbers and strings are not read as data)", node=members[0].name)
         first_in = candidates[0]
     return first_in, [a for a in reads if a is not first_in and a in readable]
 
