@@ -126,6 +126,26 @@ def test_estimate_breakdown_and_phases():
         estimate(model, x, optimizer="lion")
 
 
+def test_an_answer_says_when_checkpointing_does_not_pay_on_the_device():
+    from ckptopt.planning import Headroom
+
+    model, x = chain(batch=2048, depth=6)
+    plain = estimate(model, x, optimizer="sgd")
+    best, none = plain.optimal.peak_bytes, plain.no_checkpointing.peak_bytes
+    assert plain.recommended is plain.optimal and plain.advice() is None
+    # a checkpointed plan's allocator share large enough to eat the whole saving
+    share = (none - best) / best + 0.05
+    est = estimate(model, x, optimizer="sgd", headroom=Headroom(0, 0.0, "given", checkpointed_fraction=share))
+    assert est.needed_bytes(est.optimal) > est.needed_bytes(est.no_checkpointing)
+    assert est.recommended is est.no_checkpointing
+    assert "does not pay" in est.advice() and "train without checkpoints" in est.advice()
+    assert est.to_dict()["recommended"] == "no checkpointing"
+    # one that leaves part of the saving: the plan still pays
+    small = estimate(model, x, optimizer="sgd",
+                     headroom=Headroom(0, 0.0, "given", checkpointed_fraction=(none - best) / best / 2))
+    assert small.recommended is small.optimal and small.advice() is None
+
+
 def test_bf16_counts_half_the_bytes():
     model, x = chain(batch=2)
     e32 = estimate(model, x, optimizer="adam")

@@ -503,6 +503,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
               f"{format_bytes(est.needed_bytes(cols[1])):>18}")
     for c in cols:
         print(f"{c.label}: peak reached in the {_where(c)}")
+    if est.advice():
+        print(est.advice())
     what = "measured forward + backward time" if est.calibrated else "forward + backward = 3 forwards"
     print("breakdown at the peak; transients: the working memory of what runs there (in backward, the new "
           f"gradients of that layer); recompute: forward compute re-run in backward, as a share of a step ({what})")

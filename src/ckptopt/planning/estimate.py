@@ -300,6 +300,28 @@ class Estimate:
         checkpointed plan's where ``pe`` checkpoints)."""
         return self.headroom.needed(pe.peak_bytes, checkpointed=bool(pe.checkpoints))
 
+    @property
+    def recommended(self) -> PeakEstimate:
+        """The plan that needs the least device memory (:meth:`needed_bytes`): the optimal plan, unless the
+        headroom kept for a checkpointed plan's allocator overhead makes it need as much as no
+        checkpointing or more, when checkpointing does not pay on the device."""
+        if self.optimal.checkpoints and self.needed_bytes(self.optimal) < self.needed_bytes(self.no_checkpointing):
+            return self.optimal
+        return self.no_checkpointing
+
+    def advice(self) -> str | None:
+        """A sentence when checkpointing does not pay on the device (None when it does, or nothing is kept)."""
+        if self.recommended is self.optimal or not self.optimal.checkpoints:
+            return None
+        from ..units import format_bytes
+
+        none, best = self.no_checkpointing, self.optimal
+        return (f"checkpointing does not pay on this device: the optimal plan's peak is lower "
+                f"({format_bytes(best.peak_bytes)} against {format_bytes(none.peak_bytes)}), but with the headroom "
+                f"kept for a checkpointed plan ({100 * self.headroom.fraction_for(True):.0f}% of the peak against "
+                f"{100 * self.headroom.fraction_for(False):.0f}%) it needs {format_bytes(self.needed_bytes(best))} "
+                f"against {format_bytes(self.needed_bytes(none))}: train without checkpoints")
+
     def to_dict(self) -> dict:
         return dict(batch_size=self.batch_size, n_layers=self.n_layers, optimizer=asdict(self.optimizer),
                     param_bytes=self.param_bytes, grad_bytes=self.grad_bytes, headroom=self.headroom.to_dict(),
@@ -307,7 +329,8 @@ class Estimate:
                     no_checkpointing=self.no_checkpointing.to_dict(),
                     optimal=self.optimal.to_dict(),
                     needed_bytes=dict(no_checkpointing=self.needed_bytes(self.no_checkpointing),
-                                      optimal=self.needed_bytes(self.optimal)))
+                                      optimal=self.needed_bytes(self.optimal)),
+                    recommended=self.recommended.label, advice=self.advice())
 
 
 def is_sharded(parallel: Parallel | None) -> bool:
