@@ -883,6 +883,34 @@ def gpu_accuracy_section(r: Results) -> str:
         source(r, "gpu_accuracy/latest-small.json"))
 
 
+def gpu_allocator_replay(r: Results) -> str:
+    d = r("allocator_replay/latest.json")
+    rows = []
+    for with_dev, without in zip(d["recorded_addresses"], d["replay_addresses"]):
+        worst = max(without["phases"], key=lambda p: abs(p["max_reserved"] - p["recorded_max_reserved"]))
+        exact = sum(p["max_reserved"] == p["recorded_max_reserved"] and p["reserved"] == p["recorded_reserved"]
+                    for p in with_dev["phases"])
+        answer = ("out of memory at the device's request" if without["device_failed_at"] is not None
+                  else "fits") if without["fits_answer_right"] else "wrong"
+        rows.append([without["name"], f"{exact}/{len(with_dev['phases'])}",
+                     f"{mib(worst['max_reserved'] - worst['recorded_max_reserved'], 0)} ({worst['phase']})",
+                     mib(without["largest_segment"], 0), answer])
+    first = d["recorded_addresses"][0]
+    return block(
+        "### Reserved memory, replayed",
+        "Each recorded allocator history (`benchmarks/data/cuda_alloc`: "
+        f"{first['device']}, torch {first['torch']}; the whole life of one process: model, plan, two Adam steps) "
+        "replayed through `ckptopt.simulator.allocator.CachingAllocator` from its requested sizes, with the case's "
+        "capacity. \"Device addresses\": new segments placed where the device put them (the allocator breaks ties "
+        "between equal free blocks by address), phases whose reserved bytes and peak equal the recorded ones. "
+        "Without them, as a prediction runs: the largest error of the peak reserved over the case's phases, against "
+        "the case's largest segment, and the fits / out-of-memory answer at the recorded capacity. "
+        f"Expandable-segment cases ({len(d['skipped_expandable'])}) are not replayed.",
+        table(["case", "device addresses: exact phases", "replay alone: worst peak error", "largest segment",
+               "answer"], rows),
+        source(r, "allocator_replay/latest.json"))
+
+
 def gpu_max_batch_section(r: Results) -> str:
     rows = []
     for label, ans_rel, run_rel in (("", "gpu_accuracy/latest-h200-max-batch.json", "gpu_max_batch/latest-h200.json"),
@@ -1026,7 +1054,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
     ("On the GPU",
      "GPU runs are few (a lent card, minutes at a time): each table names its card. On CUDA the measurement is "
      "`torch.cuda.max_memory_allocated`, which includes the libraries' workspaces and the allocator's rounding.",
-     [gpu_models_section, gpu_accuracy_section, gpu_max_batch_section, gpu_logs]),
+     [gpu_models_section, gpu_accuracy_section, gpu_max_batch_section, gpu_allocator_replay, gpu_logs]),
 ]
 
 HEADER = """# Benchmark results

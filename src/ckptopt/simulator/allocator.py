@@ -1,0 +1,292 @@
+"""A replay of PyTorch's CUDA caching allocator: what a sequence of allocations reserves.
+
+The cost model predicts the bytes of live tensors (``max_memory_allocated``). A step runs out of
+memory when the allocator cannot *reserve* (``cudaMalloc``) a segment for a request, and what it has
+reserved runs above what is allocated by rounding and by fragmentation, in whole blocks. Given the
+step's allocations and frees in order (sizes requested, one stream), :class:`CachingAllocator`
+replays them through the rules of the native allocator (``c10/cuda/CUDACachingAllocator.cpp``,
+``DeviceCachingAllocator``) and reports the reserved bytes, their peak, and whether a request fails
+under a capacity (``torch.cuda.set_per_process_memory_fraction``, or the device's free memory):
+
+* sizes are rounded up to 512 B (``kMinBlockSize``); a request of at most 1 MiB (``kSmallSize``)
+  comes from the small pool, whose segments are 2 MiB (``kSmallBuffer``); a larger one from the large
+  pool, whose new segments are 20 MiB (``kLargeBuffer``) below 10 MiB (``kMinLargeAlloc``) and the
+  request rounded up to 2 MiB (``kRoundLarge``) from there;
+* a request takes the smallest free block of its pool and stream that holds it (best fit, ties by
+  address), split when what remains is at least 512 B (small pool) or more than 1 MiB (large pool);
+  with ``max_split_size`` set, blocks of that size or more are not split and serve only requests
+  within 20 MiB of their size;
+* a freed block merges with free neighbours in its segment;
+* when no free block fits, a new segment is reserved; if that would pass the capacity, the cached
+  segments that are wholly free are released (``release_cached_blocks``; with ``max_split_size``
+  set, first one oversize block, ``release_available_cached_blocks``) and the reservation tried once
+  more; then the request fails (``OutOfMemoryError``).
+
+Expandable segments (``expandable_segments:True``) are not replayed: there the allocator maps pages
+to one growing segment per pool and stream as needed, and reserves little beyond what is allocated.
+The simulator stage imports no torch: this module works on sizes alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+__all__ = ["AllocatorRules", "CachingAllocator", "ReplayResult", "replay"]
+
+KiB, MiB = 1024, 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AllocatorRules:
+    """The constants of one PyTorch version's native CUDA caching allocator (the defaults: PyTorch
+    2.x's, unchanged from 1.x to 2.11; ``max_split_size`` None is its default, no limit)."""
+
+    min_block: int = 512
+    small_size: int = 1 * MiB
+    small_buffer: int = 2 * MiB
+    large_buffer: int = 20 * MiB
+    min_large_alloc: int = 10 * MiB
+    round_large: int = 2 * MiB
+    max_split_size: int | None = None
+
+    def round_size(self, size: int) -> int:
+        """The block size a request takes (``round_size``: a multiple of ``min_block``)."""
+        return self.min_block if size < self.min_block else self.min_block * math.ceil(size / self.min_block)
+
+    def is_small(self, rounded: int) -> bool:
+        return rounded <= self.small_size
+
+    def segment_size(self, rounded: int) -> int:
+        """The bytes reserved for a request no cached block can serve (``get_allocation_size``)."""
+        if rounded <= self.small_size:
+            return self.small_buffer
+        if rounded < self.min_large_alloc:
+            return self.large_buffer
+        return self.round_large * math.ceil(rounded / self.round_large)
+
+    def splits(self, small: bool, rounded: int, remaining: int) -> bool:
+        """Whether a block with ``remaining`` bytes beyond a request of ``rounded`` is split
+        (``should_split``): in the small pool when at least a minimal block remains; in the large pool
+        when more than ``small_size`` remains and the request is below ``max_split_size``."""
+        if small:
+            return remaining >= self.min_block
+        return remaining > self.small_size and (self.max_split_size is None or rounded < self.max_split_size)
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    segment: "_Segment"
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+@dataclass(eq=False)
+class _Segment:
+    addr: int
+    size: int
+    small: bool
+    stream: int
+    head: _Block | None = None
+
+
+@dataclass
+class ReplayResult:
+    """What a replay found: the reserved and allocated bytes at the end and at their peaks, and the
+    first request that failed (its index in the sequence and size), if one did."""
+
+    reserved: int
+    max_reserved: int
+    allocated: int
+    max_allocated: int
+    failed_at: int | None = None
+    failed_size: int | None = None
+    segments: int = 0
+
+    @property
+    def fits(self) -> bool:
+        return self.failed_at is None
+
+
+@dataclass
+class CachingAllocator:
+    """The native CUDA caching allocator's state, driven by :meth:`malloc` and :meth:`free`.
+
+    ``capacity``: the most it may reserve (None: no limit); ``rules``: the version's constants."""
+
+    capacity: int | None = None
+    rules: AllocatorRules = field(default_factory=AllocatorRules)
+    #: the addresses of the next new segments, where known (a recorded trace's); else :meth:`_address`
+    addresses: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reserved = self.max_reserved = self.allocated = self.max_allocated = 0
+        self._pools: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # (stream, size, addr, id)
+        self._blocks: dict[int, _Block] = {}  # id(block) -> block, for the pools' keys
+        self._live: dict[object, _Block] = {}
+        self.segments: list[_Segment] = []
+
+    # -- the pools --------------------------------------------------------
+    def _key(self, b: _Block) -> tuple[int, int, int, int]:
+        return (b.segment.stream, b.size, b.addr, id(b))
+
+    def _insert(self, b: _Block) -> None:
+        self._blocks[id(b)] = b
+        bisect.insort(self._pools[b.segment.small], self._key(b))
+
+    def _remove(self, b: _Block) -> None:
+        pool = self._pools[b.segment.small]
+        k = bisect.bisect_left(pool, self._key(b))
+        assert pool[k] == self._key(b)
+        del pool[k]
+        del self._blocks[id(b)]
+
+    def _find(self, small: bool, stream: int, size: int) -> _Block | None:
+        """The smallest free block of the pool and stream that holds ``size`` (``get_free_block``)."""
+        pool = self._pools[small]
+        k = bisect.bisect_left(pool, (stream, size, -1, -1))
+        if k == len(pool) or pool[k][0] != stream:
+            return None
+        b = self._blocks[pool[k][3]]
+        mss = self.rules.max_split_size
+        if mss is not None:
+            if size < mss <= b.size:
+                return None  # an oversize block serves no request below the limit
+            if size >= mss and b.size >= size + self.rules.large_buffer:
+                return None  # nor one much smaller than itself
+        return b
+
+    # -- segments ---------------------------------------------------------
+    def _address(self, size: int) -> int:
+        """Where the device puts a new segment: the lowest gap among the live segments that holds it,
+        else after the highest (addresses only order equal-size free blocks: the allocator takes the
+        lowest)."""
+        if self.addresses:
+            return self.addresses.pop(0)
+        end = 0
+        for seg in sorted(self.segments, key=lambda s: s.addr):
+            if seg.addr - end >= size:
+                return end
+            end = max(end, seg.addr + seg.size)
+        return end
+
+    def _reserve(self, size: int, small: bool, stream: int) -> _Block | None:
+        if self.capacity is not None and self.reserved + size > self.capacity:
+            return None
+        seg = _Segment(self._address(size), size, small, stream)
+        seg.head = _Block(seg.addr, size, seg)
+        self.segments.append(seg)
+        self.reserved += size
+        self.max_reserved = max(self.max_reserved, self.reserved)
+        return seg.head
+
+    def release_cached(self) -> None:
+        """Release every segment that is wholly free (``release_cached_blocks``, both pools)."""
+        for seg in list(self.segments):
+            b = seg.head
+            if b.free and b.next is None:
+                self._remove(b)
+                self.segments.remove(seg)
+                self.reserved -= seg.size
+
+    def _release_one_oversize(self, size: int) -> bool:
+        """With ``max_split_size`` set: release the smallest wholly free oversize segment of at least
+        ``size`` (``release_available_cached_blocks``); without it this does nothing."""
+        mss = self.rules.max_split_size
+        if mss is None:
+            return False
+        cands = [s for s in self.segments if not s.small and s.head.free and s.head.next is None
+                 and s.size >= max(size, mss)]
+        if not cands:
+            return False
+        seg = min(cands, key=lambda s: (s.size, s.addr))
+        self._remove(seg.head)
+        self.segments.remove(seg)
+        self.reserved -= seg.size
+        return True
+
+    # -- requests ---------------------------------------------------------
+    def malloc(self, key: object, size: int, stream: int = 0) -> bool:
+        """Serve a request of ``size`` bytes, remembered as ``key``; False where the allocator would
+        raise ``OutOfMemoryError`` (nothing changes then but the released cache)."""
+        r = self.rules
+        rounded = r.round_size(size)
+        small = r.is_small(rounded)
+        b = self._find(small, stream, rounded)
+        if b is not None:
+            self._remove(b)
+        else:
+            need = r.segment_size(rounded)
+            b = self._reserve(need, small, stream)
+            if b is None and self._release_one_oversize(rounded):
+                b = self._reserve(need, small, stream)
+            if b is None:
+                self.release_cached()
+                b = self._reserve(need, small, stream)
+            if b is None:
+                return False
+        remaining = b.size - rounded
+        if r.splits(small, rounded, remaining):
+            rest = _Block(b.addr + rounded, remaining, b.segment, True, b, b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = rounded
+            self._insert(rest)
+        b.free = False
+        self._live[key] = b
+        self.allocated += b.size
+        self.max_allocated = max(self.max_allocated, self.allocated)
+        return True
+
+    def free(self, key: object) -> None:
+        """Return the block of ``key`` to its pool, merged with free neighbours."""
+        b = self._live.pop(key)
+        self.allocated -= b.size
+        b.free = True
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.free:
+                self._remove(nb)
+                if nb is b.prev:
+                    nb.size += b.size
+                    nb.next = b.next
+                    if b.next is not None:
+                        b.next.prev = nb
+                    if b.segment.head is b:
+                        b.segment.head = nb
+                    b = nb
+                else:
+                    b.size += nb.size
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+        self._insert(b)
+
+    def reset_peak(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats``: the peaks start again from the current figures."""
+        self.max_reserved, self.max_allocated = self.reserved, self.allocated
+
+    def result(self, failed_at: int | None = None, failed_size: int | None = None) -> ReplayResult:
+        return ReplayResult(self.reserved, self.max_reserved, self.allocated, self.max_allocated, failed_at,
+                            failed_size, len(self.segments))
+
+
+def replay(events: Iterable[tuple[str, object, int]], capacity: int | None = None,
+           rules: AllocatorRules | None = None) -> ReplayResult:
+    """Replay ``("alloc", key, size)`` and ``("free", key, 0)`` events (one stream) from an empty
+    allocator; stops at the first request that fails under ``capacity``."""
+    a = CachingAllocator(capacity, rules or AllocatorRules())
+    for i, (what, key, size) in enumerate(events):
+        if what == "alloc":
+            if not a.malloc(key, size):
+                return a.result(i, size)
+        elif what == "free":
+            a.free(key)
+        else:
+            raise ValueError(f"unknown event {what!r}: 'alloc' or 'free'")
+    return a.result()

@@ -1,0 +1,142 @@
+"""The replay of PyTorch's CUDA caching allocator (ckptopt.simulator.allocator): its rules on sequences
+built by hand, its invariants on random ones, and its figures against allocator histories recorded on
+a GPU (benchmarks/data/cuda_alloc)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.allocator_replay import replay_all
+from benchmarks.cuda_alloc_traces import trace_files
+from ckptopt.simulator.allocator import AllocatorRules, CachingAllocator, replay
+
+KiB, MiB = 1024, 1 << 20
+
+
+def test_small_requests_share_a_two_mib_segment_in_512_byte_blocks():
+    a = CachingAllocator()
+    assert a.malloc("x", 1) and a.malloc("y", 700)
+    assert a.allocated == 512 + 1024 and a.reserved == 2 * MiB and len(a.segments) == 1
+    assert a.malloc("z", MiB)  # at most 1 MiB: still the small pool, the same segment
+    assert a.reserved == 2 * MiB
+    assert a.malloc("w", MiB)  # no room left in it: a second small segment
+    assert a.reserved == 4 * MiB
+
+
+def test_large_requests_get_20_mib_segments_below_10_mib_and_their_size_above():
+    a = CachingAllocator()
+    a.malloc("a", 3 * MiB)
+    assert a.reserved == 20 * MiB and a.allocated == 3 * MiB  # split: 17 MiB stays free
+    a.malloc("b", 16 * MiB)  # fits the 17 MiB left; 1 MiB would remain: not split
+    assert a.reserved == 20 * MiB and a.allocated == 20 * MiB
+    a.malloc("c", 11 * MiB + 1)
+    assert a.reserved == 20 * MiB + 12 * MiB  # rounded up to 2 MiB
+
+
+def test_best_fit_and_merging_with_free_neighbours():
+    a = CachingAllocator()
+    for k in range(4):
+        a.malloc(k, 4 * MiB)  # one 20 MiB segment: four blocks and 4 MiB free
+    a.free(1)
+    a.free(2)  # merges with 1: an 8 MiB hole between 0 and 3
+    assert a.malloc("x", 6 * MiB) and a.reserved == 20 * MiB  # the hole, not a new segment
+    a.free("x")
+    a.free(0)
+    a.free(3)
+    a.release_cached()  # all free again: one block, the whole segment, released
+    assert a.reserved == 0 and a.allocated == 0
+
+
+def test_running_out_releases_the_cache_and_retries_once():
+    a = CachingAllocator(capacity=40 * MiB)
+    a.malloc("a", 24 * MiB)
+    a.free("a")  # 24 MiB cached, nothing live
+    assert a.malloc("b", 30 * MiB)  # 24 + 30 > 40: the cache goes, then it fits
+    assert a.reserved == 30 * MiB
+    assert not a.malloc("c", 12 * MiB)  # 30 live + 12 > 40: out of memory
+    r = replay([("alloc", 1, 30 * MiB), ("alloc", 2, 12 * MiB)], capacity=40 * MiB)
+    assert not r.fits and r.failed_at == 1 and r.failed_size == 12 * MiB and r.max_reserved == 30 * MiB
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    rules = AllocatorRules(max_split_size=64 * MiB)
+    a = CachingAllocator(rules=rules)
+    a.malloc("big", 100 * MiB)
+    a.free("big")
+    a.malloc("small", 30 * MiB)  # below the limit: an oversize block does not serve it
+    assert a.reserved == 130 * MiB
+    a.malloc("near", 90 * MiB)  # within 20 MiB of the cached 100 MiB block: served, not split
+    assert a.reserved == 130 * MiB and a.allocated == 130 * MiB
+
+
+def test_bad_events_are_refused():
+    with pytest.raises(ValueError, match="unknown event"):
+        replay([("malloc", 1, 8)])
+
+
+@st.composite
+def sequences(draw):
+    sizes = st.one_of(st.integers(1, 4 * KiB), st.integers(MiB - 512, MiB + 512), st.integers(1, 30 * MiB))
+    events, live, n = [], [], 0
+    for _ in range(draw(st.integers(1, 60))):
+        if live and draw(st.booleans()):
+            events.append(("free", live.pop(draw(st.integers(0, len(live) - 1))), 0))
+        else:
+            events.append(("alloc", n, draw(sizes)))
+            live.append(n)
+            n += 1
+    return events, draw(st.one_of(st.none(), st.integers(2, 80).map(lambda m: m * MiB)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences())
+def test_blocks_tile_their_segments_and_the_counters_hold(case):
+    events, capacity = case
+    a = CachingAllocator(capacity)
+    for what, key, size in events:
+        if what == "alloc":
+            if not a.malloc(key, size):
+                assert capacity is not None and a.reserved + a.rules.segment_size(a.rules.round_size(size)) > capacity
+                break
+            b = a._live[key]
+            assert b.size >= a.rules.round_size(size)
+        else:
+            a.free(key)
+        assert a.reserved == sum(s.size for s in a.segments) <= (capacity or a.reserved)
+        assert a.allocated == sum(b.size for b in a._live.values())
+        for s in a.segments:  # blocks tile the segment, no two free neighbours
+            b, addr = s.head, s.addr
+            while b is not None:
+                assert b.addr == addr and b.segment is s
+                assert not (b.free and b.next is not None and b.next.free)
+                addr += b.size
+                b = b.next
+            assert addr == s.addr + s.size
+        assert a.max_reserved >= a.reserved and a.max_allocated >= a.allocated
+
+
+needs_traces = pytest.mark.skipif(not trace_files(), reason="no recorded allocator traces")
+
+
+@needs_traces
+def test_with_the_devices_addresses_every_recorded_phase_is_exact():
+    rows, _ = replay_all(recorded_addresses=True)
+    assert rows
+    for r in rows:
+        assert r["fits_answer_right"], r["name"]
+        for p in r["phases"]:
+            assert (p["reserved"], p["max_reserved"]) == (p["recorded_reserved"], p["recorded_max_reserved"]), \
+                (r["name"], p)
+
+
+@needs_traces
+def test_without_them_every_answer_is_right_and_within_one_segment():
+    rows, skipped = replay_all(recorded_addresses=False)
+    assert rows and all(name.endswith(("expandable", "expandable-cap8g")) for name in skipped)
+    capped = [r for r in rows if r["capacity"]]
+    assert any(r["device_failed_at"] is not None for r in capped) and any(r["device_failed_at"] is None for r in capped)
+    for r in rows:
+        assert r["fits_answer_right"], r["name"]
+        assert r["max_abs_peak_error"] <= r["largest_segment"], r["name"]
