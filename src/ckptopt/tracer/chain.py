@@ -345,8 +345,9 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
         max_crossing //= 2
         groups, hoisted = grouping.groups(max_crossing)
     why = f"the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the tracer measures at that crossing"
+    memo: dict = {}  # (a layer that stays the same at another crossing is not measured again)
     while True:
-        layers, costs = _measured_costs(run, grouping, groups, hoisted, captured, loss_fn, static)
+        layers, costs = _measured_costs(run, grouping, groups, hoisted, captured, loss_fn, static, memo)
         # the exact side-tensor program is fast when its saved-bytes bound prunes and O(n^3 2^k) when
         # nothing does (a peak in the loss): which one, only the costs tell; a trial run says
         if not (auto and max_crossing > 1 and costs.side and not solves_within(costs, SIDE_AUTO_MAX_WORK)):
@@ -364,8 +365,9 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
 
 
 def _measured_costs(run: _Propagated, grouping: _Grouping, groups: list, hoisted: list, captured: Captured,
-                    loss_fn: Callable, static: _StaticBytes) -> tuple[list[Layer], ChainCosts]:
-    """``(layers, costs)`` of one grouping: the layers measured, the side tensors found."""
+                    loss_fn: Callable, static: _StaticBytes, memo: dict | None = None) -> tuple[list[Layer], ChainCosts]:
+    """``(layers, costs)`` of one grouping: the layers measured (``memo``: the measurements of layers alike,
+    :mod:`~ckptopt.tracer.layer_key`), the side tensors found."""
     gm, values, out_node = run.fake_gm, run.values, grouping.out_node
     readable = {n for n in grouping.static if n.op == "placeholder" or n in set(hoisted)}
     crossings = find_crossings(groups, grouping.static, values, out_node)
@@ -373,7 +375,7 @@ def _measured_costs(run: _Propagated, grouping: _Grouping, groups: list, hoisted
     single_output = isinstance(model_output, fx.Node) and isinstance(values.get(model_output), torch.Tensor)
     layers, side, grad_store, grad_root, param_owner = measure_layers(
         gm, run.fake_mode, groups, crossings, readable, values, grouping.placeholders, captured, loss_fn,
-        model_output, single_output)
+        model_output, single_output, memo)
     inputs = [t for n in grouping.placeholders for t in tensor_leaves(values.get(n))]
     existing = inputs + list(gm.parameters()) + list(gm.buffers())  # (a hoisted weight view is free)
     kept = [n for n in hoisted if any(u not in set(hoisted) for u in n.users)]  # the rest die in the prefix

@@ -26,6 +26,7 @@ from ..torch_utils import tensor_leaves
 from .capture import module_path
 from .cuts import WithLoss, op_label, subgraph_module
 from .layer_costs import LayerMeasurement, forward_flops, measure_layer
+from .layer_key import layer_key
 from .side_tensors import Crossings
 
 __all__ = ["Layer", "measure_layers", "hoisted_side_tensors"]
@@ -65,7 +66,7 @@ class Layer:
 
 def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx.Node]], crossings: Crossings,
                    readable: set[fx.Node], values: dict, placeholders: list[fx.Node], captured: Any,
-                   loss_fn: Callable, model_output: Any, single_output: bool):
+                   loss_fn: Callable, model_output: Any, single_output: bool, memo: dict | None = None):
     """``(layers, side, grad_store, grad_root, param_owner)``: the measured layers (the loss appended
     when the model returns one tensor), the side tensors (:class:`ckptopt.costs.SideTensor`), per
     layer the bytes of the storage its output gradient lives in and the layer whose output
@@ -86,7 +87,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     found = _Found(saved={t: set() for t in range(len(crossings.nodes))}, grad={}, view={},
                    grad_by={t: set() for t in range(len(crossings.nodes))},
                    static_keys={storage_identity(t) for t in static})
-    m = _Measurer(crossings, values, param_owner, built, found)
+    m = _Measurer(crossings, values, param_owner, built, found, {} if memo is None else memo)
     with fake_mode, torch.enable_grad():
         for j, b in enumerate(built):
             cost = m.measure(j)
@@ -99,7 +100,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
                 index=j, name=name, nodes=tuple(n.name for n in b.members),
                 ops=tuple(op_label(fake_gm, n) for n in b.members),
                 input_node=b.x_node.name if b.x_node is not None else "", output_node=out_name, costs=cost,
-                flops=forward_flops(b.module, x, [values[n] for n in b.side_in + b.statics]),
+                flops=m.forward_flops(b, x, [values[n] for n in b.side_in + b.statics]),
                 static_inputs=tuple(s.name for s in b.statics), side_inputs=tuple(n.name for n in b.side_in),
                 side_outputs=tuple(n.name for n in b.side_out)))
         if single_output:
@@ -168,12 +169,19 @@ def _loss_layer(layers: list[Layer], y: Any, model_output: fx.Node, loss_fn: Cal
                  output_node="<loss>", costs=m, flops=forward_flops(loss, [y]))
 
 
+#: Whether layers with equal keys (:func:`~ckptopt.tracer.layer_key.layer_key`) share one measurement; off
+#: only to check that sharing changes no figure (tests/test_layer_key.py).
+SHARE_MEASUREMENTS = True
+
+
 class _Measurer:
     """The layers as measured so far, and what their measurements tell about the side tensors."""
 
-    def __init__(self, crossings: Crossings, values: dict, param_owner: dict, built: list, found: "_Found"):
+    def __init__(self, crossings: Crossings, values: dict, param_owner: dict, built: list, found: "_Found",
+                 memo: dict):
         self.crossings, self.values, self.param_owner, self.built, self.found = crossings, values, param_owner, built, found
         self.layers: list[Layer] = []
+        self.memo = memo  # layer_key -> LayerMeasurement, and ("flops", layer_key) -> forward FLOPs
         self.held_out: dict[int, bool] = {}  # whether each layer was measured with its output gradient held
         self.side: list[SideTensor] = []
         self.grad_store: list[int] = []
@@ -183,9 +191,19 @@ class _Measurer:
         """Measure layer ``j`` (its input held as layer ``j - 1`` has it) and note what it tells."""
         previous = self.layers[j - 1].costs if j else None
         m = _measure(j, self.built[j], self.crossings, previous, self.values, self.param_owner, len(self.built),
-                     found=self.found, **args)
+                     found=self.found, memo=self.memo if SHARE_MEASUREMENTS else None, **args)
         self.found.note(j, self.built[j], self.crossings.io[j], m)  # (as it goes: the release splits as b)
         return m
+
+    def forward_flops(self, b: "_Built", x: list, others: list) -> int:
+        """The layer's forward FLOPs, counted once per distinct layer (:func:`layer_key`)."""
+        key = layer_key(b.module, x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
+        if key is None:
+            return forward_flops(b.module, x, others)
+        key = ("flops", key)
+        if key not in self.memo:
+            self.memo[key] = forward_flops(b.module, x, others)
+        return self.memo[key]
 
     def measure_again(self, j: int, args: dict) -> None:
         self.layers[j] = dataclasses.replace(self.layers[j], costs=self.measure(j, **args))
@@ -235,10 +253,12 @@ def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
              out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
-             side_layout: tuple | None = None, found: "_Found | None" = None) -> LayerMeasurement:
+             side_layout: tuple | None = None, found: "_Found | None" = None,
+             memo: dict | None = None) -> LayerMeasurement:
     """Measure layer ``j`` (:func:`ckptopt.tracer.layer_costs.measure_layer`); ``found``: what the layers
     measured so far showed, which ranks each side input by how likely a plan holds it elsewhere (the
-    order its dying gains are given in)."""
+    order its dying gains are given in); ``memo``: measurements by :func:`layer_key`, which a layer like
+    one measured before takes instead of being measured."""
     io = crossings.io[j]
     rank = [found._may_be_held(crossings, t, j) for t in io.side_in] if found is not None else []
     x = values[b.x_node] if b.x_node is not None else None
@@ -262,9 +282,15 @@ def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement
                       side_last=[crossings.consumers[t][-1] == j for t in io.side_in],
                       side_outputs=len(io.side_out), main_output=io.main_out is not None or j == n_built - 1,
                       shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank)
-        return measure_layer(b.module, x, keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad,
-                             hold_out_grad=hold_out, side_out_grad_layout=side_layout,
-                             static_input=bool(previous is not None and previous.out_static), **kw)
+        kw.update(keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad, hold_out_grad=hold_out,
+                  side_out_grad_layout=side_layout, static_input=bool(previous is not None and previous.out_static))
+        key = layer_key(b.module, x, kw) if memo is not None else None
+        if key is not None and key in memo:  # a layer like one measured already (a repeated block's)
+            return dataclasses.replace(memo[key])
+        m = measure_layer(b.module, x, **kw)
+        if key is not None:
+            memo[key] = m
+        return m
     except Exception as exc:
         raise TraceError(
             f"measuring layer {b.members[0].name}..{b.members[-1].name} failed: {type(exc).__name__}: {exc}",
