@@ -892,7 +892,7 @@ def gpu_allocator_replay(r: Results) -> str:
                     for p in with_dev["phases"])
         answer = ("out of memory at the device's request" if without["device_failed_at"] is not None
                   else "fits") if without["fits_answer_right"] else "wrong"
-        rows.append([without["name"], f"{exact}/{len(with_dev['phases'])}",
+        rows.append([without["name"], "–" if without["allocator"] == "expandable" else f"{exact}/{len(with_dev['phases'])}",
                      f"{mib(worst['max_reserved'] - worst['recorded_max_reserved'], 0)} ({worst['phase']})",
                      mib(without["largest_segment"], 0), answer])
     first = d["recorded_addresses"][0]
@@ -904,8 +904,9 @@ def gpu_allocator_replay(r: Results) -> str:
         "capacity. \"Device addresses\": new segments placed where the device put them (the allocator breaks ties "
         "between equal free blocks by address), phases whose reserved bytes and peak equal the recorded ones. "
         "Without them, as a prediction runs: the largest error of the peak reserved over the case's phases, against "
-        "the case's largest segment, and the fits / out-of-memory answer at the recorded capacity. "
-        f"Expandable-segment cases ({len(d['skipped_expandable'])}) are not replayed.",
+        "the case's largest segment (or mapping), and the fits / out-of-memory answer at the recorded capacity. "
+        "Cases run with expandable segments are replayed with `ExpandableAllocator` (one segment of address space "
+        "per pool: no address to know).",
         table(["case", "device addresses: exact phases", "replay alone: worst peak error", "largest segment",
                "answer"], rows),
         source(r, "allocator_replay/latest.json"))

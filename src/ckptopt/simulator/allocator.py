@@ -22,9 +22,13 @@ under a capacity (``torch.cuda.set_per_process_memory_fraction``, or the device'
   set, first one oversize block, ``release_available_cached_blocks``) and the reservation tried once
   more; then the request fails (``OutOfMemoryError``).
 
-Expandable segments (``expandable_segments:True``) are not replayed: there the allocator maps pages
-to one growing segment per pool and stream as needed, and reserves little beyond what is allocated.
-The simulator stage imports no torch: this module works on sizes alone.
+With expandable segments (``expandable_segments:True``, :class:`ExpandableAllocator`) each pool and
+stream has one segment of virtual addresses whose pages (2 MiB small, 20 MiB large) are mapped as
+requests need them: a request no free block holds maps what the free block at the mapped end lacks
+(``find_expandable_block``, ``map_block``); any free block splits when 512 B remain; best fit passes
+over a block that borders unmapped space for a larger one that does not; releasing the cache unmaps
+the whole pages inside free blocks; the capacity is checked against the request's segment size as
+without them. The simulator stage imports no torch: this module works on sizes alone.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-__all__ = ["AllocatorRules", "CachingAllocator", "ReplayResult", "replay"]
+__all__ = ["AllocatorRules", "CachingAllocator", "ExpandableAllocator", "ReplayResult", "replay"]
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -82,6 +86,7 @@ class _Block:
     size: int
     segment: "_Segment"
     free: bool = True
+    mapped: bool = True  #: (expandable segments: False for address space no page backs)
     prev: "_Block | None" = None
     next: "_Block | None" = None
 
@@ -185,6 +190,13 @@ class CachingAllocator:
         self.max_reserved = max(self.max_reserved, self.reserved)
         return seg.head
 
+    def _grow(self, rounded: int, small: bool, stream: int) -> _Block | None:
+        """A new free block that holds ``rounded`` (out of the pool), or None past the capacity."""
+        return self._reserve(self.rules.segment_size(rounded), small, stream)
+
+    def _splits(self, small: bool, rounded: int, remaining: int) -> bool:
+        return self.rules.splits(small, rounded, remaining)
+
     def release_cached(self) -> None:
         """Release every segment that is wholly free (``release_cached_blocks``, both pools)."""
         for seg in list(self.segments):
@@ -221,18 +233,17 @@ class CachingAllocator:
         if b is not None:
             self._remove(b)
         else:
-            need = r.segment_size(rounded)
-            b = self._reserve(need, small, stream)
+            b = self._grow(rounded, small, stream)
             if b is None and self._release_one_oversize(rounded):
-                b = self._reserve(need, small, stream)
+                b = self._grow(rounded, small, stream)
             if b is None:
                 self.release_cached()
-                b = self._reserve(need, small, stream)
+                b = self._grow(rounded, small, stream)
             if b is None:
                 return False
         remaining = b.size - rounded
-        if r.splits(small, rounded, remaining):
-            rest = _Block(b.addr + rounded, remaining, b.segment, True, b, b.next)
+        if self._splits(small, rounded, remaining):
+            rest = _Block(b.addr + rounded, remaining, b.segment, free=True, prev=b, next=b.next)
             if b.next is not None:
                 b.next.prev = rest
             b.next = rest
@@ -250,7 +261,7 @@ class CachingAllocator:
         self.allocated -= b.size
         b.free = True
         for nb in (b.prev, b.next):
-            if nb is not None and nb.free:
+            if nb is not None and nb.free and nb.mapped:
                 self._remove(nb)
                 if nb is b.prev:
                     nb.size += b.size
@@ -277,10 +288,11 @@ class CachingAllocator:
 
 
 def replay(events: Iterable[tuple[str, object, int]], capacity: int | None = None,
-           rules: AllocatorRules | None = None) -> ReplayResult:
+           rules: AllocatorRules | None = None, expandable: bool = False) -> ReplayResult:
     """Replay ``("alloc", key, size)`` and ``("free", key, 0)`` events (one stream) from an empty
-    allocator; stops at the first request that fails under ``capacity``."""
-    a = CachingAllocator(capacity, rules or AllocatorRules())
+    allocator (with expandable segments where ``expandable``); stops at the first request that fails
+    under ``capacity``."""
+    a = (ExpandableAllocator if expandable else CachingAllocator)(capacity, rules or AllocatorRules())
     for i, (what, key, size) in enumerate(events):
         if what == "alloc":
             if not a.malloc(key, size):
@@ -290,3 +302,151 @@ def replay(events: Iterable[tuple[str, object, int]], capacity: int | None = Non
         else:
             raise ValueError(f"unknown event {what!r}: 'alloc' or 'free'")
     return a.result()
+
+
+class ExpandableAllocator(CachingAllocator):
+    """The caching allocator with expandable segments (module docstring): one segment of address
+    space per pool and stream, its pages mapped as requests need them."""
+
+    #: the address space of one expandable segment (large enough never to run out in a replay)
+    SPAN = 1 << 50
+
+    def _page(self, small: bool) -> int:
+        return self.rules.small_buffer if small else self.rules.large_buffer
+
+    def _segment(self, small: bool, stream: int) -> _Segment:
+        for seg in self.segments:
+            if seg.small == small and seg.stream == stream:
+                return seg
+        seg = _Segment(len(self.segments) * self.SPAN, self.SPAN, small, stream)
+        seg.head = _Block(seg.addr, self.SPAN, seg, free=True, mapped=False)
+        self.segments.append(seg)
+        return seg
+
+    def _splits(self, small: bool, rounded: int, remaining: int) -> bool:
+        return remaining >= self.rules.min_block
+
+    def _find(self, small: bool, stream: int, size: int) -> _Block | None:
+        """Best fit, passing over a block that borders unmapped space (it can grow) for the next larger
+        one whose room, counting what could be mapped after it, is smaller (``get_free_block``)."""
+        pool = self._pools[small]
+        k = bisect.bisect_left(pool, (stream, size, -1, -1))
+        if k == len(pool) or pool[k][0] != stream:
+            return None
+
+        def room(b: _Block) -> int:
+            return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
+
+        b = self._blocks[pool[k][3]]
+        while k + 1 < len(pool) and pool[k + 1][0] == stream:
+            nxt = self._blocks[pool[k + 1][3]]
+            if not (b.next is not None and not b.next.mapped) or room(nxt) >= room(b):
+                break
+            k, b = k + 1, nxt
+        return b
+
+    def _map(self, b: _Block, size: int) -> _Block:
+        """Back the first ``size`` bytes (whole pages) of the unmapped block ``b``; the mapped part merges
+        with free mapped neighbours and goes into the pool (``map_block``). Returns the merged block."""
+        page = self._page(b.segment.small)
+        size = min(b.size, page * math.ceil(size / page))
+        if size < b.size:
+            rest = _Block(b.addr + size, b.size - size, b.segment, free=True, mapped=False, prev=b, next=b.next)
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+        b.mapped = True
+        self.reserved += size
+        self.max_reserved = max(self.max_reserved, self.reserved)
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.free and nb.mapped:
+                self._remove(nb)
+                if nb is b.prev:
+                    nb.size += b.size
+                    nb.next = b.next
+                    if b.next is not None:
+                        b.next.prev = nb
+                    b = nb
+                else:
+                    b.size += nb.size
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+        self._insert(b)
+        return b
+
+    def _grow(self, rounded: int, small: bool, stream: int) -> _Block | None:
+        """Map what a request needs (``try_allocate_expandable_block``): the first unmapped range that,
+        with the free block before it and the free or unmapped blocks after, holds the request."""
+        if self.capacity is not None and self.reserved + self.rules.segment_size(rounded) > self.capacity:
+            return None
+        seg = self._segment(small, stream)
+        c, start = seg.head, None
+        while c is not None:
+            if not c.mapped:
+                start = c.prev if c.prev is not None and c.prev.free and c.prev.mapped else c
+                total, t = 0, start
+                while t is not None and t.free and total < rounded:
+                    total, t = total + t.size, t.next
+                if total >= rounded:
+                    break
+            c = c.next
+        if c is None:  # (the span never runs out in a replay)
+            raise RuntimeError("expandable segment exhausted")
+        b = start if start.mapped else self._map(start, min(start.size, rounded))
+        while b.size < rounded:  # (b is free and mapped, an unmapped range after it)
+            b = self._map(b.next, min(rounded - b.size, b.next.size))
+        self._remove(b)
+        return b
+
+    def release_cached(self) -> None:
+        """Unmap the whole pages inside every free mapped block (``release_blocks`` on expandable ones)."""
+        for seg in self.segments:
+            page = self._page(seg.small)
+            b = seg.head
+            while b is not None:
+                nxt = b.next
+                if b.free and b.mapped:
+                    lo = seg.addr + page * math.ceil((b.addr - seg.addr) / page)
+                    hi = seg.addr + page * ((b.addr + b.size - seg.addr) // page)
+                    if hi > lo:
+                        self._unmap(b, lo, hi)
+                b = nxt
+
+    def _unmap(self, b: _Block, lo: int, hi: int) -> None:
+        self._remove(b)
+        parts = [(b.addr, lo, True), (lo, hi, False), (hi, b.addr + b.size, True)]
+        prev, after = b.prev, b.next
+        made = []
+        for start, end, mapped in parts:
+            if end > start:
+                made.append(_Block(start, end - start, b.segment, True, mapped))
+        for x, y in zip(made, made[1:]):
+            x.next, y.prev = y, x
+        made[0].prev, made[-1].next = prev, after
+        if prev is not None:
+            prev.next = made[0]
+        else:
+            b.segment.head = made[0]
+        if after is not None:
+            after.prev = made[-1]
+        self.reserved -= hi - lo
+        for x in made:
+            if x.mapped:
+                self._insert(x)
+        # unmapped neighbours become one range
+        mid = next(x for x in made if not x.mapped)
+        for nb in (mid.prev, mid.next):
+            if nb is not None and nb.free and not nb.mapped and nb is not mid:
+                if nb is mid.prev:
+                    nb.size += mid.size
+                    nb.next = mid.next
+                    if mid.next is not None:
+                        mid.next.prev = nb
+                    mid = nb
+                else:
+                    mid.size += nb.size
+                    mid.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = mid
