@@ -521,6 +521,27 @@ def fast_tracing(r: Results) -> str:
                  source(r, "verify_overhead/latest.json"))
 
 
+def fast_planning(r: Results) -> str:
+    d = r("planning_time/latest.json")
+    order = ["capture", "propagate", "cuts", "measure", "crossing trials", "solve", "side effects", "verify", "other"]
+    rows = []
+    for x in d["rows"]:
+        if "error" in x:
+            rows.append([x["case"], "", "", "", *[""] * len(order), x["error"][:80]])
+            continue
+        s, a = x["shared"], x["alone"]
+        rows.append([f"{x['case']} ({x['kind']})", s["layers"], secs(s["total_seconds"]), secs(a["total_seconds"]),
+                     *[secs(s["parts"].get(k)) for k in order], "identical" if x["identical"] else "DIFFERENT"])
+    return block("### Where a planning second goes",
+                 "`optimize_checkpoints` (and `estimate` of full-size models from their configuration, meta device, "
+                 "for CUDA, bf16, AdamW), one thread, each case in a fresh process after one untimed call; parts are "
+                 "the time inside the function doing each. \"Every layer\": the same call with each layer measured "
+                 "(`SHARE_MEASUREMENTS = False`); the last column compares the two results byte for byte. Load after "
+                 f"the run: `{d['meta'].get('load_after', '?').split('load average:')[-1].strip()}`.",
+                 table(["case", "layers", "total", "every layer measured", *order, "costs"], rows),
+                 source(r, "planning_time/latest.json"))
+
+
 def fast_recompute(r: Results) -> str:
     bc = r("budget_curve/latest.json")["results"]
     brows = []
@@ -1044,7 +1065,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
     ("How fast?",
      "Planning time (solvers, tracing, the plan check) and what a plan costs in step time. Times depend on the "
      "machine and its load; memory figures do not.",
-     [fast_solvers, fast_tracing, fast_recompute, fast_frontier]),
+     [fast_solvers, fast_tracing, fast_planning, fast_recompute, fast_frontier]),
     ("How large?",
      "Full-size models are planned on the meta device, without their weights; per-rank figures price one rank of "
      "DDP or FSDP2 from one trace.",
