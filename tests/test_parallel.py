@@ -320,3 +320,23 @@ def test_a_block_with_a_tied_parameter_is_left_to_the_root():
         out = optimize_checkpoints(model, {"input_ids": ids, "labels": ids}, parallel=Parallel(2, "fsdp"))
         out(input_ids=ids, labels=ids).loss.backward()
         assert type(model.bert.encoder.layer[0]).__name__ == "FSDPBertLayer"
+
+
+def test_a_new_call_structure_is_planned_again_for_the_same_rank():
+    transformers = pytest.importorskip("transformers")
+    from ckptopt import optimize_checkpoints
+    from ckptopt.planning import Parallel
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   vocab_size=128, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (4, 32))
+    par = Parallel(2, "ddp", bucket_cap_mb=0.01)
+    opt = optimize_checkpoints(model, dict(input_ids=ids, labels=ids), parallel=par, in_place=False)
+    call = dict(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(100))
+    again = opt._replan(call)
+    direct = optimize_checkpoints(model, call, parallel=par, in_place=False)
+    alone = optimize_checkpoints(model, call, in_place=False)
+    assert again.predicted_peak_bytes == direct.predicted_peak_bytes != alone.predicted_peak_bytes
+    assert (again.plan.checkpoints, again.plan.stored) == (direct.plan.checkpoints, direct.plan.stored)

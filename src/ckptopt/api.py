@@ -148,7 +148,7 @@ def optimize_checkpoints(
         if tm.capture is not None and tm.capture.front_end != "fx":
             _replan_other_calls(model, module, _Replan(solver=solver, budget=budget, loss_fn=loss_fn,
                                                        leaf_modules=leaf_modules, capture=capture,
-                                                       calibrate=calibrate))
+                                                       calibrate=calibrate, parallel=parallel))
     from .inplace import attach, inspected_by_type
 
     if in_place if in_place is not None else inspected_by_type(model):
@@ -231,6 +231,7 @@ class _Replan:
     leaf_modules: Iterable[str | type] | None
     capture: str
     calibrate: bool | None
+    parallel: Any = None  #: a rank's plan is planned again as that rank's
 
 
 def _replan_other_calls(model: nn.Module, module: nn.Module, again: _Replan) -> None:
@@ -242,7 +243,7 @@ def _replan_other_calls(model: nn.Module, module: nn.Module, again: _Replan) -> 
         with planning(model):
             return optimize_checkpoints(model, call, solver=again.solver, budget=again.budget, loss_fn=again.loss_fn,
                                         leaf_modules=again.leaf_modules, capture=again.capture,
-                                        calibrate=again.calibrate, in_place=False)
+                                        calibrate=again.calibrate, parallel=again.parallel, in_place=False)
 
     object.__setattr__(module, "_replan", replan)
 
