@@ -230,40 +230,31 @@ def _diffusers_unet_costs():
 
 
 def test_skip_heavy_model_solves_within_the_tracers_trial():
-    """The diffusers UNet at 8 tensors per cut: scored mask by mask, the side program needed 20-40
-    million layer passes (3-5 s), past the tracer's trial limit, so trace's default fell back to 4 per
-    cut and a 540-node middle layer (optimal peak 334.6 MiB against 200.6 MiB; RESULTS.md). Scored for
-    every mask at once it fits the trial, and the trial's answer is the solve's."""
-    import time
-
+    """The diffusers UNet at 8 tensors per cut: the side program, scoring every mask at once, finishes
+    within the tracer's trial limit (counted in layer passes, not seconds), so trace keeps 8 per cut,
+    and the trial's answer is the solve's."""
     from ckptopt.solvers.limits import SIDE_AUTO_MAX_WORK
 
     c = _diffusers_unet_costs()
-    t0 = time.perf_counter()
     assert side_solvers.solves_within(c, SIDE_AUTO_MAX_WORK)
     assert not side_solvers.solves_within(c, 1_000_000)  # (the limit still means something)
     plan = solve(c, "dp2")
     assert plan.peak_bytes == 210_295_600 == simulate(c, plan.checkpoints).peak_bytes
-    assert time.perf_counter() - t0 < 60
 
 
 def test_budget_solver_on_a_large_front_is_bounded():
-    """At diffusers' own peak as the budget, the exact Pareto front of that UNet took 251 s (and more
-    than 25 minutes before the masks were scored at once): the ``budget`` solver stops the exact program
-    at its work limit and takes the approximate front's plan, which fits, with a warning; a budget
-    below the lowest peak is refused at once with it."""
-    import time
-
+    """At diffusers' own peak as the budget the exact Pareto front of that UNet is too large: the ``budget``
+    solver stops the exact program at its work limit and takes the approximate front's plan (``budget~``),
+    which fits, with a warning; a budget below the lowest peak is refused with it. (How long that takes
+    is a benchmark's question, not a test's.)"""
     from ckptopt import InfeasibleBudget
     from ckptopt.simulator import plan_recompute as recompute
 
     c = _diffusers_unet_costs()
     budget = 256_899_896
-    t0 = time.perf_counter()
     with pytest.warns(UserWarning, match="approximate front"):
         plan = solve(c, "budget", budget=budget)
     assert plan.peak_bytes <= budget and plan.solver == "budget~"
-    assert time.perf_counter() - t0 < 120
     lowest = solve(c, "dp2")
     assert recompute(c, plan.checkpoints, plan.stored) < recompute(c, lowest.checkpoints) / 4
     with pytest.raises(InfeasibleBudget, match="210295600"):
