@@ -253,3 +253,20 @@ def test_library_noise_is_hidden_unless_verbose(capfd):
     assert main(args + ["--verbose"]) == 0
     out, err = capfd.readouterr()
     assert "optimal plan" in out and "specialized" in err  # (torch.export's note on the batch of 1)
+
+
+def test_capture_keeps_torchs_export_notes_to_itself(capfd):
+    transformers = pytest.importorskip("transformers")
+    import logging
+
+    import torch
+
+    from ckptopt import optimize_checkpoints
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                   vocab_size=128, use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (1, 16))  # (a batch of 1: torch.export notes the dimension's specialization)
+    optimize_checkpoints(model, dict(input_ids=ids, labels=ids), in_place=False)
+    assert "specialized" not in capfd.readouterr().err
+    assert logging.getLogger("torch._export").level == logging.NOTSET  # (left as it was)

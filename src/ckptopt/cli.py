@@ -753,8 +753,18 @@ def build_parser() -> argparse.ArgumentParser:
 def _library_noise_hidden(hidden: bool):
     """Warnings and log lines that are not ckptopt's (torch.export specializing a dimension, deprecations
     inside the libraries) hidden while a command runs, unless ``--verbose``; ckptopt's own warnings stay."""
-    if not hidden:
-        yield
+    if not hidden:  # (their warnings shown, also those capture keeps to itself on loggers left at the default)
+        from .tracer.capture import EXPORT_LOGGERS
+
+        loggers = [logging.getLogger(name) for name in EXPORT_LOGGERS]
+        levels = [lg.level for lg in loggers]
+        for lg in loggers:
+            lg.setLevel(logging.WARNING - 1)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels):
+                lg.setLevel(level)
         return
     import torch._logging
 

@@ -39,7 +39,7 @@ from .base import Captured, module_path
 from .export import export_capture
 from .fx import fx_capture
 
-__all__ = ["capture", "Captured", "FRONT_ENDS", "CAPTURE_MODES", "module_path", "check_capture_mode"]
+__all__ = ["capture", "Captured", "FRONT_ENDS", "CAPTURE_MODES", "EXPORT_LOGGERS", "module_path", "check_capture_mode"]
 
 FRONT_ENDS: dict[str, Callable[[nn.Module, Inputs, Iterable | None], Captured]] = {
     "fx": fx_capture,
@@ -70,7 +70,8 @@ def capture(model: nn.Module, inputs: Inputs, how: str = "auto",
     check_capture_mode(how)
     state = python_state(model)  # FX runs the forward's Python code on the model itself, with proxies
     try:
-        return _capture(model, inputs, how, leaf_modules, state)
+        with _export_notes_hidden():
+            return _capture(model, inputs, how, leaf_modules, state)
     except TraceError as exc:
         if exc.node is None:  # a mistake in the arguments (unknown leaf_modules), not the model
             raise
@@ -79,6 +80,32 @@ def capture(model: nn.Module, inputs: Inputs, how: str = "auto",
         if rejected is not None:
             raise rejected from exc
         raise
+
+
+#: torch's loggers that speak while ckptopt tries its exports (a dimension specialized to the example's
+#: size, a data-dependent expression evaluated with real tensors): what capture makes of them reaches the
+#: user as a note or an error naming the construct
+EXPORT_LOGGERS = ("torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes",
+                   "torch._dynamo", "torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _export_notes_hidden():
+    """Torch's warning-level log lines hidden while capturing, on loggers the user left at their default
+    (one set to INFO or DEBUG, as ``TORCH_LOGS`` does, keeps speaking)."""
+    import logging
+
+    changed = []
+    for name in EXPORT_LOGGERS:
+        lg = logging.getLogger(name)
+        if lg.level in (logging.NOTSET, logging.WARNING):
+            changed.append((lg, lg.level))
+            lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in changed:
+            lg.setLevel(level)
 
 
 def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state) -> Captured:
