@@ -411,3 +411,43 @@ def test_a_branch_on_a_random_draw_names_the_fix(capture, on_device):
     errors say it is a random draw and how to turn it off."""
     with pytest.raises(TraceError, match=r"(random draw|baked).*layerdrop=0"):
         optimize_checkpoints(_LayerDrop(on_device), (X,), capture=capture)
+
+
+class _LoopThenFloatIndex(nn.Module):
+    """FX cannot iterate a proxy; export follows the loop and then fails on a float index."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        for _ in x:
+            pass
+        return self.lin(x)[torch.tensor([0.5])]
+
+
+class _Numpy(nn.Module):
+    """Runs eagerly; neither front end (nor a fake tensor) goes through ``.numpy()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        scale = torch.from_numpy(x.detach().numpy() * 2)
+        return self.lin(x) * scale
+
+
+def test_the_construct_a_front_end_met_is_named_at_its_own_line():
+    with pytest.raises(TraceError) as err:
+        optimize_checkpoints(_LoopThenFloatIndex(), torch.randn(2, 4))
+    msg = str(err.value)
+    assert "data-dependent control flow" in msg and "test_capture_errors.py" in msg and "`for _ in x:`" in msg
+
+
+def test_a_model_that_runs_but_neither_front_end_follows_is_not_blamed_on_the_batch():
+    with pytest.raises(TraceError) as err:
+        optimize_checkpoints(_Numpy(), torch.randn(2, 4))
+    msg = str(err.value)
+    assert "rejects the example batch" not in msg
+    assert "torch.export" in msg and "test_capture_errors.py" in msg and ".numpy()" in msg

@@ -114,18 +114,20 @@ def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state) ->
             return FRONT_ENDS[how](model, inputs, leaf_modules)
     try:
         return fx_capture(model, inputs, leaf_modules)
-    except TraceError as fx_exc:
-        if fx_exc.node is None:  # a mistake in the arguments (unknown leaf_modules), not the model
+    except TraceError as exc:
+        if exc.node is None:  # a mistake in the arguments (unknown leaf_modules), not the model
             raise
-        restore_python_state(state)  # what FX left in the model's attributes (proxies) is gone before export runs
-        try:
-            with _no_partial_graph():
-                captured = export_capture(model, inputs, leaf_modules)
-        except TraceError as ex_exc:
-            raise TraceError(_both_failed(model, fx_exc, ex_exc), node=fx_exc.node) from ex_exc
-        cause = str(fx_exc).split(": ", 1)[-1].split(". ")[0]
-        captured.notes.insert(0, f"torch.fx could not trace it: {cause}")
-        return captured
+        fx_exc = exc
+    # (export runs outside the handler: its errors are not chained to FX's, so each names its own construct)
+    restore_python_state(state)  # what FX left in the model's attributes (proxies) is gone before export runs
+    try:
+        with _no_partial_graph():
+            captured = export_capture(model, inputs, leaf_modules)
+    except TraceError as ex_exc:
+        raise TraceError(_both_failed(model, fx_exc, ex_exc), node=fx_exc.node) from ex_exc
+    cause = str(fx_exc).split(": ", 1)[-1].split(". ")[0]
+    captured.notes.insert(0, f"torch.fx could not trace it: {cause}")
+    return captured
 
 
 def _both_failed(model: nn.Module, fx_exc: TraceError, ex_exc: TraceError) -> str:
@@ -134,14 +136,19 @@ def _both_failed(model: nn.Module, fx_exc: TraceError, ex_exc: TraceError) -> st
     fx_why = str(fx_exc).split(". Only submodules can be made opaque")[0].split(" itself: ", 1)[-1]
     fx_why = fx_why.split(". ")[0].rstrip(".") + (")" if fx_why.count("(") > fx_why.split(". ")[0].count(")") else "")
     ex_why = str(ex_exc).split(f"cannot capture {name}: ", 1)[-1]
-    construct = data_dependent_construct(ex_exc) or data_dependent_construct(fx_exc)
-    if construct is not None:
-        line = source_line(ex_exc.__cause__ or ex_exc) or source_line(fx_exc.__cause__ or fx_exc)
+    construct, by = data_dependent_construct(ex_exc), ex_exc
+    if construct is None:
+        construct, by = data_dependent_construct(fx_exc), fx_exc
+    if construct is not None:  # (the line of the front end that met the construct)
+        line = source_line(by.__cause__ or by) or source_line(ex_exc.__cause__ or ex_exc)
         return (f"ckptopt cannot capture {name}: its forward runs {construct}"
                 f"{' at ' + line if line else ''}, which neither front end can follow "
                 f"(torch.fx: {fx_why}; torch.export: {ex_why.split(' (unhinted')[0]}). What to do: "
                 f"{getattr(ex_exc, 'fix', '') or REWRITE_HINT}, or {own_checkpointing_hint(model)}.")
-    return (f"ckptopt cannot capture {name}. torch.export: {ex_why}. torch.fx: {fx_why}. What to do: make the "
+    line = source_line(ex_exc.__cause__ or ex_exc)
+    where = f" (at {line})" if line else ""
+    return (f"ckptopt cannot capture {name}. torch.export: {ex_why.rstrip('.')}{where}. torch.fx: {fx_why}. "
+            "What to do: make the "
             "forward exportable (tensors and plain Python values in, no data-dependent control flow; "
             "capture='export'), or pass leaf_modules=[...] naming the submodules FX cannot trace (capture='fx'), "
             f"or {own_checkpointing_hint(model)}.")
@@ -182,7 +189,8 @@ _FAKE_LIMITS = ("DataDependentOutputException", "DynamicOutputShapeException", "
                 "UnsupportedFakeTensorException", "GuardOnDataDependentSymNode", "MetadataMismatchError",
                 "NotImplementedError")
 _FAKE_LIMIT_TEXT = ("FakeTensor", "fake tensor", "data pointer", "data_ptr",
-                    "Couldn't swap")  # (_apply on a fake copy's parameter: a module cast inside forward)
+                    "Couldn't swap",  # (_apply on a fake copy's parameter: a module cast inside forward)
+                    "tensor subclass")  # (a fake tensor is one: `.numpy()` refuses it, as it refuses export's)
 
 
 def _fake_limit(exc: BaseException) -> bool:
