@@ -51,6 +51,9 @@ CASES = {
                                                        num_key_value_heads=8), (1, 4096)),
 }
 
+#: the transformers model type of each model class above
+CONFIG_TYPES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2", "BertForMaskedLM": "bert"}
+
 PARTS = [  # (part, module, attribute)
     ("capture", "ckptopt.tracer.chain", "capture_graph"),
     ("propagate", "ckptopt.tracer.chain", "_propagate"),
@@ -107,9 +110,7 @@ def _build(kind: str, cls: str, config: dict, shape: tuple):
     import torch
     import transformers
 
-    cfg = getattr(transformers, cls.replace("ForCausalLM", "Config").replace("LMHeadModel", "Config")
-                  .replace("ForMaskedLM", "Config"))(**config, use_cache=False) if "GPT2" not in cls else \
-        transformers.GPT2Config(**config, use_cache=False)
+    cfg = transformers.AutoConfig.for_model(CONFIG_TYPES[cls], **config, use_cache=False)
     torch.manual_seed(0)
     if kind == "estimate":
         with torch.device("meta"):

@@ -117,7 +117,7 @@ def frontier(model: nn.Module, example_inputs: Any, points: int = 6, loss_fn: Ca
     plans = _budget_plans(tm.costs, points)
     for k, plan in enumerate(plans):
         sim = simulate(tm.costs, plan.checkpoints, plan.stored)
-        label = "ckptopt, lowest peak" if plan.peak_bytes == plans[0].peak_bytes and k == 0 else f"ckptopt, {len(plan.checkpoints) + 1} segments"
+        label = "ckptopt, lowest peak" if k == 0 else f"ckptopt, {len(plan.checkpoints) + 1} segments"
         out.append(FrontierPoint(label, plan.checkpoints, plan.stored, sim.peak_bytes, 1.0 + sim.recompute_share))
     if not measure:
         return out

@@ -151,6 +151,31 @@ class CachingAllocator:
         del pool[k]
         del self._blocks[id(b)]
 
+    def _split(self, b: _Block, size: int, mapped: bool = True) -> _Block:
+        """Cut ``b`` after its first ``size`` bytes; the rest becomes a free block after it (``mapped`` as
+        given, out of the pool), which is returned."""
+        rest = _Block(b.addr + size, b.size - size, b.segment, free=True, mapped=mapped, prev=b, next=b.next)
+        if b.next is not None:
+            b.next.prev = rest
+        b.next = rest
+        b.size = size
+        return rest
+
+    def _merge_free(self, b: _Block) -> _Block:
+        """The free block ``b`` joined with its free neighbours of the same mapped state (the mapped ones
+        leave the pool: ``try_merge_blocks``); returns the joined block, out of the pool."""
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.free and nb.mapped == b.mapped:
+                if nb.mapped:
+                    self._remove(nb)
+                left, right = (nb, b) if nb is b.prev else (b, nb)
+                left.size += right.size
+                left.next = right.next
+                if right.next is not None:
+                    right.next.prev = left
+                b = left
+        return b
+
     def _find(self, small: bool, stream: int, size: int) -> _Block | None:
         """The smallest free block of the pool and stream that holds ``size`` (``get_free_block``)."""
         pool = self._pools[small]
@@ -243,12 +268,7 @@ class CachingAllocator:
                 return False
         remaining = b.size - rounded
         if self._splits(small, rounded, remaining):
-            rest = _Block(b.addr + rounded, remaining, b.segment, free=True, prev=b, next=b.next)
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = rounded
-            self._insert(rest)
+            self._insert(self._split(b, rounded))
         b.free = False
         self._live[key] = b
         self.allocated += b.size
@@ -260,23 +280,7 @@ class CachingAllocator:
         b = self._live.pop(key)
         self.allocated -= b.size
         b.free = True
-        for nb in (b.prev, b.next):
-            if nb is not None and nb.free and nb.mapped:
-                self._remove(nb)
-                if nb is b.prev:
-                    nb.size += b.size
-                    nb.next = b.next
-                    if b.next is not None:
-                        b.next.prev = nb
-                    if b.segment.head is b:
-                        b.segment.head = nb
-                    b = nb
-                else:
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-        self._insert(b)
+        self._insert(self._merge_free(b))
 
     def reset_peak(self) -> None:
         """``torch.cuda.reset_peak_memory_stats``: the peaks start again from the current figures."""
@@ -351,28 +355,11 @@ class ExpandableAllocator(CachingAllocator):
         page = self._page(b.segment.small)
         size = min(b.size, page * math.ceil(size / page))
         if size < b.size:
-            rest = _Block(b.addr + size, b.size - size, b.segment, free=True, mapped=False, prev=b, next=b.next)
-            if b.next is not None:
-                b.next.prev = rest
-            b.next = rest
-            b.size = size
+            self._split(b, size, mapped=False)
         b.mapped = True
         self.reserved += size
         self.max_reserved = max(self.max_reserved, self.reserved)
-        for nb in (b.prev, b.next):
-            if nb is not None and nb.free and nb.mapped:
-                self._remove(nb)
-                if nb is b.prev:
-                    nb.size += b.size
-                    nb.next = b.next
-                    if b.next is not None:
-                        b.next.prev = nb
-                    b = nb
-                else:
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
+        b = self._merge_free(b)
         self._insert(b)
         return b
 
@@ -415,38 +402,14 @@ class ExpandableAllocator(CachingAllocator):
                 b = nxt
 
     def _unmap(self, b: _Block, lo: int, hi: int) -> None:
+        """Unmap ``[lo, hi)`` (whole pages) of the free mapped block ``b``: what lies before and after
+        stays a free mapped block; the unmapped range joins unmapped neighbours."""
         self._remove(b)
-        parts = [(b.addr, lo, True), (lo, hi, False), (hi, b.addr + b.size, True)]
-        prev, after = b.prev, b.next
-        made = []
-        for start, end, mapped in parts:
-            if end > start:
-                made.append(_Block(start, end - start, b.segment, True, mapped))
-        for x, y in zip(made, made[1:]):
-            x.next, y.prev = y, x
-        made[0].prev, made[-1].next = prev, after
-        if prev is not None:
-            prev.next = made[0]
-        else:
-            b.segment.head = made[0]
-        if after is not None:
-            after.prev = made[-1]
+        mid = self._split(b, lo - b.addr) if lo > b.addr else b
+        if hi < mid.addr + mid.size:
+            self._insert(self._split(mid, hi - lo))
+        if mid is not b:
+            self._insert(b)
+        mid.mapped = False
         self.reserved -= hi - lo
-        for x in made:
-            if x.mapped:
-                self._insert(x)
-        # unmapped neighbours become one range
-        mid = next(x for x in made if not x.mapped)
-        for nb in (mid.prev, mid.next):
-            if nb is not None and nb.free and not nb.mapped and nb is not mid:
-                if nb is mid.prev:
-                    nb.size += mid.size
-                    nb.next = mid.next
-                    if mid.next is not None:
-                        mid.next.prev = nb
-                    mid = nb
-                else:
-                    mid.size += nb.size
-                    mid.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = mid
+        self._merge_free(mid)

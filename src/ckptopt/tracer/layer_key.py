@@ -51,8 +51,6 @@ class _Keyer:
             return (type(v).__name__, tuple(self.value(x, pos) for x in v))
         if isinstance(v, dict):
             return ("dict", tuple((k, self.value(x, pos)) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))))
-        if isinstance(v, nn.Parameter):  # (a Tensor: handled above)
-            return self.tensor(v)
         if v is None or isinstance(v, (bool, int, float, str, complex, slice, type(Ellipsis))):
             return (type(v).__name__, repr(v))
         if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
