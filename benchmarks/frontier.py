@@ -98,7 +98,7 @@ ALIASES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "bert": "Bert
 BUDGETS = (1.0, 0.7, 0.5, 0.3)
 FULL = dict(layers=6, width=512, heads=8, vocab=8192, batch=4, seq=512)
 SMALL = dict(layers=2, width=64, heads=2, vocab=256, batch=2, seq=32)
-FAMILIES = ("none", "hf", "sac", "compile", "ckptopt")
+FAMILIES = ("none", "hf", "sac", "compile", "ckptopt", "ckptopt-compiled")
 
 
 # --------------------------------------------------------------------------
@@ -474,6 +474,60 @@ def ckptopt_methods(name: str, model, batch: dict, peers: list[Method], static: 
     return out
 
 
+def ckptopt_compiled_methods(name: str, model, batch: dict, peers: list[Method], static: int,
+                             start: int) -> list[Method]:
+    """``ckptopt-compiled`` (the lowest-peak plan) and ``ckptopt-compiled@compile-<b>`` for each compiled
+    peer: ``optimize_checkpoints(model, batch, budget=<the peer's profiler peak>)`` compiled as the peers
+    are (inductor, ``fullgraph=True``, the partitioner's default budget 1.0), its peak from the profiler.
+    The plan is made for the eager step, whose peak the tracer predicts; when the compiled step's peak
+    comes out above the peer's, the budget is lowered by the excess and the plan made and compiled once
+    more (``first_try``: the first plan's compiled peak). A budget below the eager step's lowest peak is
+    met by the lowest plan when that plan's compiled peak is within it (``same_plan_as``)."""
+    from ckptopt import InfeasibleBudget, optimize_checkpoints
+
+    targets = [("ckptopt-compiled", None, None)] + [
+        (f"ckptopt-compiled@{p.name}", p.name, p.row["peak_bytes"]) for p in peers
+        if p.family == "compile" and "peak_bytes" in p.row]
+    out: list[Method] = []
+    for k, (label, peer, target) in enumerate(targets):
+        budget, first = target, None
+        for attempt in range(2):
+            try:
+                module = optimize_checkpoints(model, batch, budget=budget, in_place=False)
+                step, seconds = compile_step(module, batch, 1.0, start + 2 * k + attempt)
+            except Exception as exc:  # noqa: BLE001 - recorded (an infeasible budget included), the run goes on
+                kind = "InfeasibleBudget" if isinstance(exc, InfeasibleBudget) else type(exc).__name__
+                lowest = out[0] if out and out[0].step is not None else None
+                if kind == "InfeasibleBudget" and lowest is not None and lowest.row["peak_bytes"] <= target:
+                    # below the eager step's lowest peak, and the lowest plan compiled fits: that plan
+                    row = dict(budget_bytes=budget, budget_from=peer, same_plan_as=lowest.name,
+                               note=f"the budget is below the eager lowest peak ({kind}); the lowest plan compiled "
+                                    "fits it", **{key: v for key, v in lowest.row.items()
+                                                 if key.startswith(("peak", "profiler", "predicted", "plan"))})
+                    if first:
+                        row["first_try"] = first
+                    out.append(Method(name, label, "ckptopt-compiled", None, model, row))
+                    break
+                row = dict(budget_bytes=budget, budget_from=peer, error=f"{kind}: {exc}"[:1500])
+                if first:
+                    row["first_try"] = first
+                out.append(Method(name, label, "ckptopt-compiled", None, model, row))
+                print(f"{name} {label}: FAILED {kind}: {str(exc)[:300]}", flush=True)
+                break
+            row = dict(budget_bytes=budget, budget_from=peer, compile_seconds=round(seconds, 2),
+                       static_bytes=static, **_ckptopt_row(module, 0.0))
+            row.update(profiler_peak(step, model, static))
+            row["peak_bytes"], row["peak_instrument"] = row["peak_profiler_bytes"], "profiler"
+            if target is None or row["peak_bytes"] <= target or attempt:
+                if first:
+                    row["first_try"] = first
+                out.append(Method(name, label, "ckptopt-compiled", step, model, row))
+                break
+            first = dict(budget_bytes=budget, peak_profiler_bytes=row["peak_bytes"], plan=row["plan"])
+            budget = budget - (row["peak_bytes"] - target)
+    return out
+
+
 def prepare_model(name: str, s: dict, budgets, compile_index: int, profile: bool = True,
                   budget_peers=None) -> tuple[list[Method], dict]:
     """Every method of one model, each measured once; the model's record (sizes, ops, notes)."""
@@ -487,6 +541,9 @@ def prepare_model(name: str, s: dict, budgets, compile_index: int, profile: bool
     print(f"{name}: compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
     ours = ckptopt_methods(name, model, batch, peers, static, profile, budget_peers)
     print(f"{name}: ckptopt planned and measured ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if budgets:
+        ours += ckptopt_compiled_methods(name, model, batch, peers, static, compile_index + len(budgets))
+        print(f"{name}: ckptopt compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
     info = dict(model=name, sizes=dict(s), sizes_text=sizes_text(name, s), static_bytes=static,
                 parameters=sum(p.numel() for p in model.parameters()),
                 attn_implementation=getattr(model.config, "_attn_implementation", None),
@@ -569,10 +626,12 @@ def rows_of(methods: list[Method], rounds: int) -> list[dict]:
 # --------------------------------------------------------------------------
 STYLE = {"none": dict(marker="*", color="black", s=160), "hf": dict(marker="s", color="tab:blue", s=60),
          "sac": dict(marker="^", color="tab:green", s=70), "compile": dict(marker="D", color="tab:purple", s=50),
-         "ckptopt": dict(marker="o", color="tab:red", s=45)}
+         "ckptopt": dict(marker="o", color="tab:red", s=45),
+         "ckptopt-compiled": dict(marker="P", color="tab:orange", s=60)}
 LEGEND = {"none": "no checkpointing", "hf": "HF checkpointing (every layer, every 2nd)",
           "sac": "SAC (keep matmul [+attention] outputs)", "compile": "torch.compile, activation_memory_budget",
-          "ckptopt": "ckptopt (lowest peak; at each peer's peak)"}
+          "ckptopt": "ckptopt (lowest peak; at each peer's peak)",
+          "ckptopt-compiled": "ckptopt's plan under torch.compile (lowest; at each compile point's peak)"}
 
 
 def _short(method: str) -> str:
@@ -583,7 +642,7 @@ def _short(method: str) -> str:
 def _ckptopt_label(r: dict, rows: list[dict]) -> str:
     """``lowest`` and/or the peers at whose peak this plan was chosen (one plan may serve several)."""
     same = [x["method"] for x in rows if x["method"] == r["method"] or x.get("same_plan_as") == r["method"]]
-    return ", ".join("lowest" if m == "ckptopt" else "@" + _short(m.split("@", 1)[1]) for m in same)
+    return ", ".join("@" + _short(m.split("@", 1)[1]) if "@" in m else "lowest" for m in same)
 
 
 def plot(rows: list[dict], models: list[dict], path: str, rounds: int) -> None:
@@ -604,15 +663,15 @@ def plot(rows: list[dict], models: list[dict], path: str, rounds: int) -> None:
                 continue
             ax.scatter([r["peak_vs_none"] for r in pts], [r["time_vs_none"] for r in pts], label=LEGEND[fam],
                        zorder=3, **STYLE[fam])
-            if fam == "ckptopt":
+            if fam.startswith("ckptopt"):
                 line = sorted(pts, key=lambda r: r["peak_vs_none"])
                 ax.plot([r["peak_vs_none"] for r in line], [r["time_vs_none"] for r in line],
                         color=STYLE[fam]["color"], lw=1.2, zorder=2)
             for r in pts:
-                text = _ckptopt_label(r, mine) if fam == "ckptopt" else _short(r["method"])
-                ax.annotate(text, (r["peak_vs_none"], r["time_vs_none"]), fontsize=7 if fam != "ckptopt" else 6,
-                            color="black" if fam != "ckptopt" else STYLE[fam]["color"],
-                            xytext=(4, 3) if fam != "ckptopt" else (4, -9),
+                text = _ckptopt_label(r, mine) if fam.startswith("ckptopt") else _short(r["method"])
+                ax.annotate(text, (r["peak_vs_none"], r["time_vs_none"]), fontsize=6 if fam.startswith("ckptopt") else 7,
+                            color=STYLE[fam]["color"] if fam.startswith("ckptopt") else "black",
+                            xytext=(4, -9) if fam.startswith("ckptopt") else (4, 3),
                             textcoords="offset points")
         ax.axhline(1.0, color="grey", lw=0.6, ls=":")
         ax.axvline(1.0, color="grey", lw=0.6, ls=":")
@@ -648,7 +707,7 @@ def run(models: list[str], small: bool = False, rounds: int = 15, budgets=BUDGET
     s = SMALL if small else FULL
     methods, infos = [], []
     for i, name in enumerate(models):
-        ms, info = prepare_model(name, s, budgets, compile_index=10 * i, profile=profile, budget_peers=budget_peers)
+        ms, info = prepare_model(name, s, budgets, compile_index=100 * i, profile=profile, budget_peers=budget_peers)
         methods += ms
         infos.append(info)
     t_warm = time.perf_counter()

@@ -361,7 +361,7 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
     try:
         with warnings.catch_warnings():  # (the user's warnings filters are for their own step: a copy's
             warnings.simplefilter("ignore")  # deprecation notes must not fail it, nor reach them)
-            fake = fake_copy(module, normalize_inputs(example_inputs), share=(module._out_node,))
+            fake = fake_copy(module, normalize_inputs(example_inputs))
     except TraceError as exc:  # (the model itself was copied for the side-effect check: not the plan's fault)
         object.__setattr__(module, "_unverified", "the plan was not verified by a fake training step before it "
                            f"was returned: the rewritten module could not be copied onto fake tensors ({exc})")

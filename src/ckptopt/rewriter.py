@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -193,7 +193,7 @@ class CheckpointedModule(nn.Module):
         object.__setattr__(self, "_variants", {})  # call structure -> CheckpointedModule (or None: failed)
         gm = traced.gm
         self._ph_names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
-        self._out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self._out_template = _output_template(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         self._copy_root_attrs(model, gm)
         groups = self._chain_groups(traced, plan)
         self._segments = _segments_of_groups(gm, *groups)
@@ -345,8 +345,7 @@ class CheckpointedModule(nn.Module):
             del res
             for nm in seg.drop_names:  # hold no tensor longer than the unmodified model does
                 env.pop(nm, None)
-        out = fx.node.map_arg(self._out_node.args[0],
-                              lambda n: env[n.name] if n.op != "get_attr" else _attr(self, n.target))
+        out = _fill_output(self._out_template, env, self)
         return captured.rebuild(out)
 
     def predicted_peak_for(self, *args, **kwargs) -> int:
@@ -470,6 +469,41 @@ def _take_inputs_from_list(sub: fx.GraphModule) -> None:
     """
     inputs_from_list(sub.graph)
     sub.recompile()
+
+
+class _Value(NamedTuple):
+    """A graph value in a module's output: ``env[name]``, or the module's attribute ``target``."""
+
+    name: str
+    attribute: str | None
+
+
+def _output_template(arg: Any) -> Any:
+    """The graph's output argument with each node replaced by a :class:`_Value` and fx's immutable
+    containers by plain ones: the forward fills it without reading the graph (``torch.compile`` does not
+    trace into ``torch.fx``, so a forward that reads a node's arguments breaks the compiled graph)."""
+    if isinstance(arg, fx.Node):
+        return _Value(arg.name, arg.target if arg.op == "get_attr" else None)
+    if isinstance(arg, dict):
+        return {k: _output_template(v) for k, v in arg.items()}
+    if isinstance(arg, tuple) and hasattr(arg, "_fields"):  # a named tuple
+        return type(arg)._make(_output_template(v) for v in arg)
+    if isinstance(arg, (list, tuple)):
+        return (list if isinstance(arg, list) else tuple)(_output_template(v) for v in arg)
+    return arg
+
+
+def _fill_output(template: Any, env: dict, module: nn.Module) -> Any:
+    """:func:`_output_template` filled with this call's values."""
+    if isinstance(template, _Value):
+        return env[template.name] if template.attribute is None else _attr(module, template.attribute)
+    if isinstance(template, dict):
+        return {k: _fill_output(v, env, module) for k, v in template.items()}
+    if isinstance(template, tuple) and hasattr(template, "_fields"):
+        return type(template)._make(_fill_output(v, env, module) for v in template)
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill_output(v, env, module) for v in template)
+    return template
 
 
 def _bound(cls: type, self: nn.Module) -> Callable:

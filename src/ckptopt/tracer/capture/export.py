@@ -153,7 +153,9 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     def bind(call: Inputs) -> list | None:
         if ones:  # captured without the all-ones mask: a call with one of ones runs as the example did
             mask = call.kwargs.get("attention_mask")
-            if mask is not None and not _valueless(mask) and not _all_ones(mask):
+            if torch.compiler.is_compiling():
+                _assert_ones_when_compiled(mask, type(model).__name__)
+            elif mask is not None and not _valueless(mask) and not _all_ones(mask):
                 return None  # (a batch that pads: another capture; a fake copy of the example is taken as it)
             call = Inputs(call.args, {k: v for k, v in call.kwargs.items() if k != "attention_mask"})
         if len(call.args) != len(inputs.args) or set(call.kwargs) != set(inputs.kwargs):
@@ -181,6 +183,21 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
 
 def _valueless(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t))
+
+
+def _assert_ones_when_compiled(mask: Any, model_name: str) -> None:
+    """Under ``torch.compile``: a run-time check, inside the compiled graph, that ``mask`` is all ones.
+
+    Eager calls read the mask's values and take a batch that pads to another plan; a compiled graph
+    cannot branch on values without a graph break (and ``fullgraph=True`` refuses one), so the check
+    becomes an assertion the compiled step runs: a batch that pads stops with this message instead of
+    running the graph planned without a mask."""
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.dim() != 2:
+        return
+    torch._assert_async((mask == 1).all(),
+                        f"ckptopt: this compiled {model_name} was planned for batches without padding (its example's "
+                        "attention_mask was all ones) and got one that pads. Plan with a padded example batch "
+                        "(optimize_checkpoints), or call it without torch.compile to replan on the first such batch.")
 
 
 def _all_ones(mask: Any) -> bool:
