@@ -519,6 +519,8 @@ def _fit_line(fit) -> str:
     if fit.next_peak_bytes is not None:
         line += f"; batch {fit.batch + 1} needs {fit.next_peak_bytes} B"
     line += ")"
+    if fit.reserved_bytes is not None:
+        line += f", reserves {format_bytes(fit.reserved_bytes)}"
     if fit.strategy != "none":
         line += (f", checkpoints {_fmt_plan(fit.checkpoints, stored=fit.stored)}, "
                  f"recompute {100 * fit.recompute_share:.1f}% of a step")
@@ -617,15 +619,8 @@ def cmd_max_batch(args: argparse.Namespace) -> int:
     if mb.optimal.calibrated:
         print("  each answer then run layer by layer on the device at its batch size (scratch and workspace "
               "measured) and lowered until they fit")
-    within = format_bytes(mb.usable_bytes)
-    if mb.usable_checkpointed_bytes not in (None, mb.usable_bytes):
-        within += f" ({format_bytes(mb.usable_checkpointed_bytes)} with checkpoints)"
-    print(f"  {mb.headroom.describe()}: the peaks above stay within {within}")
-    if str(args.device).startswith("cuda"):
-        from .planning.headroom import EXPANDABLE_HINT, expandable_segments
-
-        if not expandable_segments():
-            print(f"  {EXPANDABLE_HINT}")
+    for line in mb.fitting_lines(args.device):
+        print(f"  {line}")
     if plan is not None:
         _print_training_plan(plan)
     return 0

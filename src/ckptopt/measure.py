@@ -64,7 +64,7 @@ class PeakMeasurement:
     output_bytes: int | None = None
 
 
-def _forward_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> torch.Tensor:
+def forward_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> torch.Tensor:
     """Forward and loss; returns only the loss so that nothing else stays referenced."""
     return _loss_of(_forward(model, inputs), loss_fn)
 
@@ -108,7 +108,7 @@ def _loss_of(out: Any, loss_fn: Callable | None) -> torch.Tensor:
 
 
 def _train_step(model: nn.Module, inputs: Inputs, loss_fn: Callable | None) -> None:
-    loss = _forward_loss(model, inputs, loss_fn)
+    loss = forward_loss(model, inputs, loss_fn)
     loss.backward()
     del loss
 
@@ -482,7 +482,7 @@ def measure_training_step(model, example_inputs, optimizer: str = "adam", impl: 
         try:
             with tracker:
                 for j in range(accumulation_steps):
-                    loss = _forward_loss(module, inputs, loss_fn)
+                    loss = forward_loss(module, inputs, loss_fn)
                     loss.backward()
                     if j < accumulation_steps - 1:
                         del loss
@@ -588,7 +588,7 @@ def measure_rank_step(model: nn.Module, example_inputs, parallel, optimizer: str
             _optimizer_state(opt, params)
             gc.collect()
             tracker.reset_peak()
-            loss = _forward_loss(module, inputs, loss_fn)
+            loss = forward_loss(module, inputs, loss_fn)
             loss.backward()
             _optimizer_step(opt)
             del loss

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ..costs import ChainCosts
 from ..plan import Plan
+from ..simulator.allocator import replay
 from ..solvers import solve
 from ..torch_utils import Inputs, is_fake, normalize_inputs
 from ..tracer import trace
@@ -297,6 +298,11 @@ class BatchFit:
     verified: bool
     stored: tuple[int, ...] = ()
     calibrated: bool = False
+    #: the allocator replay's reserved peak at ``batch`` (:mod:`ckptopt.planning.reserved`) where the
+    #: answer is the replay's, and at ``batch + 1`` without a limit (None where the predicted peak
+    #: alone rules that batch out)
+    reserved_bytes: int | None = None
+    next_reserved_bytes: int | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -318,9 +324,36 @@ class MaxBatch:
     headroom: Headroom = Headroom()
     usable_bytes: int = 0
     usable_checkpointed_bytes: int | None = None  # (the optimal plan's, where the headroom differs)
+    #: how the answers were fitted to the memory: "replay" (the caching allocator replayed over the
+    #: step's allocations: the reserved peak fits) or "headroom" (the predicted peak fits below the
+    #: headroom kept), and why the replay did not apply where it did not
+    fitted_by: str = "headroom"
+    replay_note: str | None = None
+
+    def fitting_lines(self, device: str) -> list[str]:
+        """How the answers were fitted to the memory, for a person (the CLI's lines)."""
+        from ..units import format_bytes
+
+        if self.fitted_by == "replay":
+            return ["fitted by replaying PyTorch's caching allocator over the first two training steps' "
+                    "allocations (reserved bytes, not a headroom share): each answer's steps reserve at most "
+                    f"{format_bytes(self.memory_bytes)}, and one more sample does not fit"]
+        within = format_bytes(self.usable_bytes)
+        if self.usable_checkpointed_bytes not in (None, self.usable_bytes):
+            within += f" ({format_bytes(self.usable_checkpointed_bytes)} with checkpoints)"
+        lines = [f"{self.headroom.describe()}: the peaks above stay within {within}"]
+        if str(device).startswith("cuda"):
+            from .headroom import EXPANDABLE_HINT, expandable_segments
+
+            if self.replay_note:
+                lines.append(f"(a headroom share, not the allocator replay: {self.replay_note})")
+            if not expandable_segments():
+                lines.append(EXPANDABLE_HINT)
+        return lines
 
     def to_dict(self) -> dict:
-        return dict(memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes,
+        return dict(memory_bytes=self.memory_bytes, usable_bytes=self.usable_bytes, fitted_by=self.fitted_by,
+                    replay_note=self.replay_note,
                     usable_checkpointed_bytes=self.usable_checkpointed_bytes, headroom=self.headroom.to_dict(),
                     optimizer=asdict(self.optimizer), affine=self.affine, traces=self.traces,
                     no_checkpointing=self.no_checkpointing.to_dict(), optimal=self.optimal.to_dict())
@@ -450,6 +483,16 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     dev = device or model_dev
     calibrated = calibration_choice(calibrate, dev, model_dev, parallel)
     check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
+    why_not = replay_declined(dev, headroom, parallel, keep_output)
+    if why_not is None:
+        mem = parse_bytes(memory) if memory is not None else device_free_memory(dev)
+        try:
+            none, best = replayed_fit(bc, "none", mem, opt), replayed_fit(bc, "optimal", mem, opt)
+            return MaxBatch(mem, opt, none, best, bc.affine, bc.traces,
+                            Headroom(0, 0.0, "none: the caching allocator's replay fits each answer"), mem, mem,
+                            "replay")
+        except ReplayDeclined as exc:
+            why_not = str(exc)
     mem, hr, usable = memory_and_headroom(bc, memory, device, headroom)
     usable_ckpt = hr.usable(mem, checkpointed=True)
     none = search_batch(bc, "none", usable, opt)
@@ -461,7 +504,101 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
         kept = hr.without_workspace() if calibrated else hr
         none = lowered_fit(bc, none, kept.usable(mem), opt, calibrated, keep_output)
         best = lowered_fit(bc, best, kept.usable(mem, checkpointed=True), opt, calibrated, keep_output)
-    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable, usable_ckpt)
+    return MaxBatch(mem, opt, none, best, bc.affine, bc.traces, hr, usable, usable_ckpt, "headroom", why_not)
+
+
+class ReplayDeclined(Exception):
+    """The allocator replay cannot answer for this step (the message says why)."""
+
+
+def replay_declined(device: str, headroom: Headroom | None, parallel: Parallel | None,
+                    keep_output: bool) -> str | None:
+    """Why :func:`max_batch` fits its answers with a headroom share rather than the allocator replay
+    (None: it replays)."""
+    from .reserved import allocator_settings
+
+    if not str(device).startswith("cuda"):
+        return "no caching allocator off CUDA"
+    if headroom is not None:
+        return "a headroom was given"
+    if parallel is not None:
+        return "the replay does not model a rank's collective buffers"
+    if keep_output:
+        return "the replay does not model a loop that keeps the output"
+    return allocator_settings()[2]
+
+
+def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemory) -> BatchFit:
+    """The largest batch whose first two training steps (the second on the cache the first leaves) the
+    caching allocator's replay serves within ``memory`` (:mod:`ckptopt.planning.reserved`), with the
+    ``strategy``'s plan at each batch.
+
+    No batch whose predicted peak passes ``memory`` fits (the allocator reserves at least what is
+    allocated), so the search starts at the largest that does; from a batch that does not fit it
+    steps down in proportion to what the replay without a limit reserves there, then bisects. The
+    answer fits and one more sample does not.
+
+    Raises :class:`ReplayDeclined` when the step makes allocations the replay cannot know."""
+    from ..rewriter import apply_plan
+    from .reserved import allocator_settings, step_events
+
+    expandable, rules, _ = allocator_settings()
+    seen: dict[int, tuple[bool, int, int]] = {}  # batch -> (fits, reserved peak under memory, without a limit)
+    graph = bc.traced(bc.example_batch)  # (the rewriter needs the graph and the cuts: alike at every batch)
+
+    def peak(b: int) -> int:  # (interpolated where the costs are affine: no trace)
+        return peak_and_plan(bc.rank(b), strategy, opt)[0]
+
+    def replayed(b: int) -> tuple[bool, int, int]:
+        if b not in seen:
+            plan = peak_and_plan(bc.rank(b), strategy, opt, final=True)[1]
+            build = None if strategy == "none" else (lambda fm: apply_plan(fm, graph, plan))
+            x = with_batch(bc.inputs, b, bc.example_batch)
+            steps = step_events(bc.model, x, bc.loss_fn, build, opt.name, opt.impl)
+            if steps.unsupported:
+                raise ReplayDeclined(steps.unsupported)
+            capped = replay(steps.events, memory, rules, expandable)
+            free = replay(steps.events, None, rules, expandable)  # (under the limit, released caches hide it)
+            seen[b] = (capped.fits, capped.max_reserved, free.max_reserved)
+        return seen[b]
+
+    ceiling = search_batch(bc, strategy, memory, opt).batch
+    lo, hi = 0, ceiling + 1  # fits(lo) (0 trivially); not fits(hi)
+    b = ceiling
+    while hi - lo > 1:
+        fits, _, reserved = replayed(b)
+        if fits:
+            lo = b
+        else:
+            hi = b
+        if hi - lo <= 1:
+            break
+        # the next guess: where the reserved bytes, about affine in the batch between the bounds, meet the
+        # memory (a secant through the two bounds' replays); from the first bound alone, the batch whose
+        # predicted peak plus what the allocator added at that bound meets it; bisection where a guess
+        # falls on a bound (fragmentation makes the reserved bytes step unevenly)
+        if lo in seen and hi in seen:
+            (_, _, r_lo), (_, _, r_hi) = seen[lo], seen[hi]
+            guess = lo + (memory - r_lo) * (hi - lo) // max(r_hi - r_lo, 1)
+        else:
+            over = reserved - peak(b)
+            guess = largest_fitting(lambda c: peak(c) + over <= memory, hi - 1) if fits is False else hi - 1
+        b = guess if lo < guess < hi else (lo + hi) // 2
+    nxt_reserved = seen[hi][2] if hi in seen else None
+    if lo == 0:
+        return BatchFit(strategy, 0, None, peak_and_plan(bc.rank(1, trace=True), strategy, opt)[0], (), 0.0, True,
+                        next_reserved_bytes=nxt_reserved)
+    rank = bc.rank(lo, trace=True)
+    p, plan = peak_and_plan(rank, strategy, opt, final=True)
+    if strategy != "none" and plan != peak_and_plan(bc.rank(lo), strategy, opt, final=True)[1]:
+        seen.pop(lo, None)  # (the traced costs chose another plan than the interpolated ones: replay it)
+        if not replayed(lo)[0]:
+            raise ReplayDeclined("the traced and the interpolated costs chose different plans, and the traced "
+                                 "one's replay does not fit")
+    share = plan_recompute_share(rank.solver_costs(), plan.checkpoints, plan.stored)[1]
+    nxt = peak_and_plan(bc.rank(lo + 1, trace=True), strategy, opt)[0]
+    return BatchFit(strategy, lo, p, nxt, plan.checkpoints, share, True, plan.stored,
+                    reserved_bytes=seen[lo][1], next_reserved_bytes=nxt_reserved)
 
 
 def lowered_fit(bc: BatchCosts, fit: BatchFit, usable: int, opt: OptimizerMemory, calibrated: bool,

@@ -12,7 +12,7 @@ from typing import Sequence
 from ..costs import ChainCosts
 
 __all__ = ["OPTIMIZERS", "IMPLS", "OptimizerMemory", "check_optimizer", "default_impl", "optimizer_memory",
-           "step_peak", "accumulating_costs"]
+           "step_peak", "accumulating_costs", "step_allocations"]
 
 OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw")
 IMPLS = ("for-loop", "foreach")
@@ -126,3 +126,43 @@ def accumulating_costs(costs: ChainCosts) -> ChainCosts:
     d["static"] = int(d["static"]) + int(sum(layers["p"]))
     layers["p"] = [0] * len(layers["p"])
     return ChainCosts.from_dict(d)
+
+
+def step_allocations(param_sizes: Sequence[int], optimizer: str, impl: str, first: bool,
+                     tag: object = None) -> list[tuple[str, object, int]]:
+    """The device allocations and frees of one ``optimizer.step()`` on CUDA, in order: ``("alloc", key,
+    bytes)`` and ``("free", key, 0)``, for the parameters (with gradients) of the given sizes in the
+    optimizer's order. ``first``: the step that creates the state (kept: never freed); ``tag`` makes the
+    temporaries' keys unique per step.
+
+    The rules of ``torch/optim`` (default arguments), checked by replaying them with the step against
+    allocator histories recorded on an H200 (``benchmarks/allocator_replay.py``):
+
+    * Adam/AdamW create ``exp_avg`` and ``exp_avg_sq`` per parameter, in order, on the first step (the
+      ``step`` counters stay on the CPU). ``foreach`` then makes one ``_foreach_sqrt`` temporary per
+      parameter, all before the update, and frees them as the list goes, last first; the for-loop makes
+      ``sqrt`` and the quotient per parameter, frees the ``sqrt`` at once and the quotient when the next
+      parameter's replaces it;
+    * SGD with momentum clones each gradient into its buffer on the first step; plain SGD allocates nothing.
+    """
+    name = check_optimizer(optimizer)
+    sizes = [int(b) for b in param_sizes]
+    out: list[tuple[str, object, int]] = []
+    if name == "sgd-momentum" and first:
+        out += [("alloc", ("momentum", i), b) for i, b in enumerate(sizes)]
+    if name not in ("adam", "adamw"):
+        return out
+    if first:
+        for i, b in enumerate(sizes):
+            out += [("alloc", ("exp_avg", i), b), ("alloc", ("exp_avg_sq", i), b)]
+    if impl == "foreach":
+        out += [("alloc", ("sqrt", tag, i), b) for i, b in enumerate(sizes)]
+        out += [("free", ("sqrt", tag, i), 0) for i in reversed(range(len(sizes)))]
+        return out
+    for i, b in enumerate(sizes):
+        out += [("alloc", ("sqrt", tag, i), b), ("alloc", ("denom", tag, i), b), ("free", ("sqrt", tag, i), 0)]
+        if i:
+            out.append(("free", ("denom", tag, i - 1), 0))
+    if sizes:
+        out.append(("free", ("denom", tag, len(sizes) - 1), 0))
+    return out
