@@ -907,15 +907,24 @@ def gpu_accuracy_section(r: Results) -> str:
 def gpu_allocator_replay(r: Results) -> str:
     d = r("allocator_replay/latest.json")
     rows = []
+    built = {x["name"]: x for x in d.get("synthesized", [])}
     for with_dev, without in zip(d["recorded_addresses"], d["replay_addresses"]):
         worst = max(without["phases"], key=lambda p: abs(p["max_reserved"] - p["recorded_max_reserved"]))
         exact = sum(p["max_reserved"] == p["recorded_max_reserved"] and p["reserved"] == p["recorded_reserved"]
                     for p in with_dev["phases"])
         answer = ("out of memory at the device's request" if without["device_failed_at"] is not None
                   else "fits") if without["fits_answer_right"] else "wrong"
+        syn = built.get(without["name"])
+        if syn is None:
+            syn_cells = ["–", "–"]
+        else:
+            steps = ", ".join(f"{mib(x['max_reserved'] - x['recorded_max_reserved'], 0)}" for x in syn["steps"])
+            syn_ans = (f"out of memory in {syn['replay_failed_in']}" if syn["replay_failed_in"] else "fits") + \
+                ("" if syn["fits_answer_right"] else " (wrong)")
+            syn_cells = [steps + (" (convolutions)" if syn["unsupported"] else ""), syn_ans]
         rows.append([without["name"], "–" if without["allocator"] == "expandable" else f"{exact}/{len(with_dev['phases'])}",
                      f"{mib(worst['max_reserved'] - worst['recorded_max_reserved'], 0)} ({worst['phase']})",
-                     mib(without["largest_segment"], 0), answer])
+                     mib(without["largest_segment"], 0), answer, *syn_cells])
     first = d["recorded_addresses"][0]
     return block(
         "### Reserved memory, replayed",
@@ -927,9 +936,14 @@ def gpu_allocator_replay(r: Results) -> str:
         "Without them, as a prediction runs: the largest error of the peak reserved over the case's phases, against "
         "the case's largest segment (or mapping), and the fits / out-of-memory answer at the recorded capacity. "
         "Cases run with expandable segments are replayed with `ExpandableAllocator` (one segment of address space "
-        "per pool: no address to know).",
+        "per pool: no address to know). \"Built without the device\": the loop's allocations made on the CPU "
+        "(`ckptopt.planning.reserved.step_events`: the model as `.to()` allocates it, each step from a fake step "
+        "under the storage tracker, cuBLAS's workspaces, Adam's foreach state and temporaries by rule) and replayed: "
+        "each step's peak reserved minus the recorded one, and where it runs out of memory (the device's answer "
+        "in the answer column). `max_batch` on CUDA answers this way; it declines models with convolutions, whose "
+        "cuDNN workspaces the device sizes at run time (marked).",
         table(["case", "device addresses: exact phases", "replay alone: worst peak error", "largest segment",
-               "answer"], rows),
+               "answer", "built without the device: step peaks' error", "its answer"], rows),
         source(r, "allocator_replay/latest.json"))
 
 
