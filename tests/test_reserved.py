@@ -127,7 +127,7 @@ def test_max_batch_on_cuda_is_the_largest_batch_the_allocator_replay_serves(monk
 
     # where the replay cannot answer, the headroom share does, and the answer says why
     from ckptopt.planning import Headroom
-    from ckptopt.planning.batch import replay_declined
+    from ckptopt.planning.reserved import replay_declined
 
     assert replay_declined("cuda", Headroom(0, 0.1, "given"), None, False) == "a headroom was given"
     assert replay_declined("cpu", None, None, False) == "no caching allocator off CUDA"
@@ -154,3 +154,30 @@ def test_allocations_built_without_the_device_replay_as_the_device_ran_them(mode
     assert row["unsupported"] is None
     assert row["fits_answer_right"], row
     assert row["steps"] and row["max_abs_peak_error"] <= row["largest_segment"], row
+
+
+def test_estimate_on_cuda_needs_the_least_memory_the_replay_runs_the_steps_in(monkeypatch):
+    """estimate(device="cuda") answers "what the device needs" with the replay: the least memory (to 2 MiB)
+    under which both plans' first two steps run (one step of 2 MiB less runs out), and says so."""
+    from ckptopt import estimate
+    from ckptopt.rewriter import apply_plan
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())], nn.Linear(512, 4))
+    x = torch.randn(4096, 512)  # (activations well above the optimizer step: a plan that checkpoints)
+    est = estimate(model, x, device="cuda")
+    assert est.replayed is not None and est.replay_note is None and est.optimal.checkpoints
+    assert set(est.replayed) == {"no checkpointing", "optimal plan"}
+    from ckptopt import trace
+    from ckptopt.plan import Plan
+
+    tm = trace(model, x)
+    plan = Plan(tuple(est.optimal.checkpoints), 0, "given", 0.0, tm.n, tuple(est.optimal.stored))
+    for pe, build in ((est.no_checkpointing, None), (est.optimal, lambda fm: apply_plan(fm, tm, plan))):
+        events = step_events(model, normalize_inputs(x), build=build).events
+        need = est.needed_bytes(pe)
+        assert need >= pe.peak_bytes
+        assert replay(events, need).fits and not replay(events, need - 2 * MiB).fits
+    off = estimate(model, x, device="cuda", keep_output=True)
+    assert off.replayed is None and "keeps the output" in off.replay_note

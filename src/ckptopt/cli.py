@@ -498,7 +498,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     print(f"{'':<20} {'':>18} {red:>+17.1f}%")
     print(f"{'recompute':<20} {100 * cols[0].recompute_share:>17.1f}% {100 * cols[1].recompute_share:>17.1f}%")
     print(f"{'checkpoints':<20} {'-':>18} {_fmt_plan(cols[1].checkpoints, stored=cols[1].stored):>18}")
-    if est.headroom.workspace_bytes or est.headroom.fraction:
+    if est.replayed or est.headroom.workspace_bytes or est.headroom.fraction:
         print(f"{'device needs':<20} {format_bytes(est.needed_bytes(cols[0])):>18} "
               f"{format_bytes(est.needed_bytes(cols[1])):>18}")
     for c in cols:
@@ -508,7 +508,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     what = "measured forward + backward time" if est.calibrated else "forward + backward = 3 forwards"
     print("breakdown at the peak; transients: the working memory of what runs there (in backward, the new "
           f"gradients of that layer); recompute: forward compute re-run in backward, as a share of a step ({what})")
-    print(est.headroom.describe())
+    if est.replayed:
+        print("device needs: the least memory the first two training steps run in, replaying PyTorch's caching "
+              "allocator over their allocations (not a headroom share)")
+    else:
+        print(est.headroom.describe() + (f" (not the allocator replay: {est.replay_note})" if est.replay_note else ""))
     return 0
 
 

@@ -19,6 +19,7 @@ from ..units import parse_bytes
 from .estimate import (is_sharded, batch_of, calibration_choice, check_keep_output, optimal_plan,
                        plan_recompute_share, sharded_leaves)
 from .headroom import Headroom, check_calibrate, default_headroom, device_free_memory
+from .reserved import replay_declined
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts, plus_static
 from .ranks import rank_costs
@@ -509,23 +510,6 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
 
 class ReplayDeclined(Exception):
     """The allocator replay cannot answer for this step (the message says why)."""
-
-
-def replay_declined(device: str, headroom: Headroom | None, parallel: Parallel | None,
-                    keep_output: bool) -> str | None:
-    """Why :func:`max_batch` fits its answers with a headroom share rather than the allocator replay
-    (None: it replays)."""
-    from .reserved import allocator_settings
-
-    if not str(device).startswith("cuda"):
-        return "no caching allocator off CUDA"
-    if headroom is not None:
-        return "a headroom was given"
-    if parallel is not None:
-        return "the replay does not model a rank's collective buffers"
-    if keep_output:
-        return "the replay does not model a loop that keeps the output"
-    return allocator_settings()[2]
 
 
 def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemory) -> BatchFit:

@@ -17,6 +17,7 @@ from ..plan import Plan
 from ..storages import distinct_storages, storage_nbytes
 from ..torch_utils import Inputs, normalize_inputs
 from ..tracer.meta import planned_on
+from .reserved import replay_declined
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
 from .optimizer import OptimizerMemory, optimizer_memory
 from .parallel import Parallel, RankCosts
@@ -294,10 +295,18 @@ class Estimate:
     headroom: Headroom = Headroom()
     calibrated: bool = False
     parallel: Parallel | None = None
+    #: on CUDA, the least memory each plan's first two steps run in, by the caching allocator's replay
+    #: (:mod:`ckptopt.planning.reserved`), by label; None where the headroom share answers instead
+    replayed: dict | None = None
+    #: why the replay did not answer (None where it did, or off CUDA)
+    replay_note: str | None = None
 
     def needed_bytes(self, pe: PeakEstimate) -> int:
-        """The memory a device must have for the step of ``pe``: its peak plus the headroom (a
-        checkpointed plan's where ``pe`` checkpoints)."""
+        """The memory a device must have for the step of ``pe``: on CUDA the least memory the caching
+        allocator's replay runs its first two steps in, else its peak plus the headroom (a checkpointed
+        plan's where ``pe`` checkpoints)."""
+        if self.replayed and pe.label in self.replayed:
+            return self.replayed[pe.label]
         return self.headroom.needed(pe.peak_bytes, checkpointed=bool(pe.checkpoints))
 
     @property
@@ -316,6 +325,11 @@ class Estimate:
         from ..units import format_bytes
 
         none, best = self.no_checkpointing, self.optimal
+        if self.replayed:
+            return (f"checkpointing does not pay on this device: the optimal plan's peak is lower "
+                    f"({format_bytes(best.peak_bytes)} against {format_bytes(none.peak_bytes)}), but replayed through "
+                    f"the caching allocator its steps need {format_bytes(self.needed_bytes(best))} against "
+                    f"{format_bytes(self.needed_bytes(none))}: train without checkpoints")
         return (f"checkpointing does not pay on this device: the optimal plan's peak is lower "
                 f"({format_bytes(best.peak_bytes)} against {format_bytes(none.peak_bytes)}), but with the headroom "
                 f"kept for a checkpointed plan ({100 * self.headroom.fraction_for(True):.0f}% of the peak against "
@@ -330,7 +344,8 @@ class Estimate:
                     optimal=self.optimal.to_dict(),
                     needed_bytes=dict(no_checkpointing=self.needed_bytes(self.no_checkpointing),
                                       optimal=self.needed_bytes(self.optimal)),
-                    recommended=self.recommended.label, advice=self.advice())
+                    recommended=self.recommended.label, advice=self.advice(), replayed=self.replayed,
+                    replay_note=self.replay_note)
 
 
 def is_sharded(parallel: Parallel | None) -> bool:
@@ -441,5 +456,16 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
         kept = kept_output_extra(model, inputs, loss_fn, tm, [(), best])
     none = peak_estimate(rank, (), opt, "no checkpointing", kept[0])
     optimal = peak_estimate(rank, best, opt, "optimal plan", kept[1])
+    replayed, why_not = None, replay_declined(dev, headroom, parallel, keep_output)
+    if why_not is None:
+        from ..rewriter import apply_plan
+        from .reserved import replayed_needs
+
+        builds = {none.label: None}
+        if best.checkpoints or best.stored:
+            builds[optimal.label] = lambda fm: apply_plan(fm, tm, best)
+        replayed, why_not = replayed_needs(model, inputs, loss_fn, builds, opt.name, opt.impl)
+        if replayed is not None and optimal.label not in replayed:  # (the optimal plan checkpoints nothing)
+            replayed[optimal.label] = replayed[none.label]
     return Estimate(batch_of(inputs), tm.n, opt, rank.param_bytes, rank.grad_bytes, none, optimal, hr, calibrated,
-                    parallel)
+                    parallel, replayed, why_not if str(dev).startswith("cuda") else None)

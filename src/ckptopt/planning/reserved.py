@@ -46,7 +46,7 @@ from ..tracker import StorageTracker
 from .optimizer import check_optimizer, step_allocations
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "StepEvents", "allocator_settings", "cublas_workspace_bytes", "step_events",
-           "replay_steps"]
+           "replay_steps", "replay_declined", "least_capacity", "replayed_needs"]
 
 #: cuBLAS's workspace per handle (``CublasHandlePool.cpp``, ``parseChosenWorkspaceSize``): 4096 KiB x 8 on
 #: compute capability 9 and above, the default assumed when the device is not at hand (the larger one);
@@ -177,7 +177,10 @@ def step_events(model: nn.Module, inputs, loss_fn: Callable | None = None, build
     from ..fake import fake_copy
     from ..measure import forward_loss
 
+    from ..tracer.meta import unmaterialized
+
     name = check_optimizer(optimizer)
+    model, inputs = unmaterialized(model, inputs)  # (a model on the meta device: fakes of its tensors)
     fake = fake_copy(model, inputs)
     events = _model_events(fake.model, fake.inputs)
     phases = [("model", 0)]
@@ -217,3 +220,48 @@ def replay_steps(steps: StepEvents, capacity: int | None, conf: str | None = Non
     if unsupported:
         raise ValueError(f"cannot replay the CUDA allocator: {unsupported}")
     return replay(steps.events, capacity, rules, expandable)
+
+
+def replay_declined(device: str, headroom: Any, parallel: Any, keep_output: bool) -> str | None:
+    """Why an answer for ``device`` keeps a headroom share rather than replaying the allocator (None: it
+    replays): off CUDA there is no caching allocator; a given headroom is the caller's rule; a rank's
+    collective buffers, a loop that keeps the output and an allocator setting the replay does not
+    model are not in the sequence. (A convolution is found when the step runs: :attr:`StepEvents.unsupported`.)"""
+    if not str(device).startswith("cuda"):
+        return "no caching allocator off CUDA"
+    if headroom is not None:
+        return "a headroom was given"
+    if parallel is not None:
+        return "the replay does not model a rank's collective buffers"
+    if keep_output:
+        return "the replay does not model a loop that keeps the output"
+    return allocator_settings()[2]
+
+
+def least_capacity(events: list, conf: str | None = None, step: int = 2 * 1024 * 1024) -> int:
+    """The least memory (to ``step`` bytes) under which the replay of ``events`` runs without running out:
+    between what it allocates at its peak and what it reserves without a limit (under a limit the allocator
+    releases its cache and retries before it gives up, so less than that can do)."""
+    expandable, rules, unsupported = allocator_settings(conf)
+    if unsupported:
+        raise ValueError(f"cannot replay the CUDA allocator: {unsupported}")
+    free = replay(events, None, rules, expandable)
+    lo, hi = free.max_allocated - 1, free.max_reserved  # (fails at lo: less than its live blocks; fits at hi)
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if replay(events, mid, rules, expandable).fits else (mid, hi)
+    return hi
+
+
+def replayed_needs(model: nn.Module, inputs, loss_fn: Callable | None, builds: dict[str, Callable | None],
+                   optimizer: str, impl: str) -> tuple[dict[str, int] | None, str | None]:
+    """For each label in ``builds`` (a plan applied to a fake copy, or None for the model as it is), the
+    least memory the loop's first two steps run in, replayed (:func:`least_capacity`); or ``(None, why)``
+    when a step makes allocations the replay cannot know."""
+    out = {}
+    for label, build in builds.items():
+        steps = step_events(model, inputs, loss_fn, build, optimizer, impl)
+        if steps.unsupported:
+            return None, steps.unsupported
+        out[label] = least_capacity(steps.events)
+    return out, None
