@@ -686,3 +686,37 @@ def test_ops_on_the_weights_before_the_first_read_of_the_batch_join_the_first_la
     assert torch.equal(ref(x), opt(x))
     for p, q in zip(ref.parameters(), net.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+class _TimeConditioned(nn.Module):
+    """A diffusion model's timestep given as a number: made a tensor, expanded to the batch's size (read
+    from the batch's shape alone) and embedded with an arange, before the first op that reads the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.conv_in = nn.Conv2d(3, 16, 3, padding=1)
+        self.body = nn.Sequential(nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1))
+
+    def forward(self, x, t):
+        t = torch.tensor([t]) * torch.ones(x.shape[0])
+        freqs = torch.exp(torch.arange(4) * -0.5)
+        emb = self.embed(torch.cat([torch.sin(t[:, None] * freqs), torch.cos(t[:, None] * freqs)], dim=1))
+        return self.body(self.conv_in(x) + emb[:, :, None, None])
+
+
+def test_ops_on_constants_and_sizes_before_the_first_read_of_the_batch_join_the_first_layer():
+    from ckptopt import Plan, apply_plan, measure_peak, optimize_checkpoints, simulate
+
+    torch.manual_seed(0)
+    net = _TimeConditioned()
+    x = torch.randn(2, 3, 16, 16)
+    tm = trace(net, (x, 10), capture="export")
+    first = tm.layers[0]
+    assert first.input_node is not None and "conv2d" in " ".join(first.nodes)
+    opt = optimize_checkpoints(net, (x, 10), capture="export", in_place=False)
+    assert opt.plan.checkpoints
+    for cps in (opt.plan.checkpoints, (), tuple(range(1, tm.n))):  # predicted as measured (the loss aside)
+        module = apply_plan(net, tm, Plan(cps, simulate(tm.costs, cps).peak_bytes, "given", 0.0, tm.n))
+        assert 0 <= measure_peak(module, (x, 10)) - module.predicted_peak_bytes <= 8, cps
+        module.remove_hooks()

@@ -123,14 +123,17 @@ def candidate_groups(gm: fx.GraphModule, values: dict, static: set[fx.Node] = fr
             last_use[n] = max(last_use.get(n, -1), p)
     input_last = max([last_use.get(n, -1) for n in inputs if is_tensor_value(n) and n not in static] or [-1])
     # the first layer reads the batch: ops before the first read of a model input or static value read
-    # parameters alone (a weight standardization), and a layer of them would have no input to run on
+    # parameters, constants and sizes alone (a weight standardization; a timestep given as a number,
+    # made a tensor, expanded to the batch's size and embedded with an arange), and a layer of them
+    # would have no input to run on
     param_only: set[fx.Node] = set()
     for n in ops:
-        if n.all_input_nodes and all(a.op == "get_attr" or a in param_only for a in n.all_input_nodes):
+        if all(a.op == "get_attr" or a in param_only or not is_tensor_value(a) for a in n.all_input_nodes):
             param_only.add(n)
-    outer = set(inputs) | (set(static) - param_only)
-    first_read = next((pos[n] for n in ops if any(a in outer and is_tensor_value(a) for a in n.all_input_nodes)),
-                      0)
+    outer = set(inputs) | {n for n in static if n not in param_only and n.op != "get_attr"}
+    # (an op that reads only an input's shape, ``sym_size``, makes a number: not a read of its data)
+    first_read = next((pos[n] for n in ops if is_tensor_value(n)
+                       and any(a in outer and is_tensor_value(a) for a in n.all_input_nodes)), 0)
     # values no gradient reaches (a dead branch: nothing after reads them toward the output): their
     # saved tensors die with the forward, which the measurement of one layer sees only within it
     out_node = next(n for n in reversed(nodes) if n.op == "output")
