@@ -530,8 +530,12 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
     seen: dict[int, tuple[bool, int, int]] = {}  # batch -> (fits, reserved peak under memory, without a limit)
     graph = bc.traced(bc.example_batch)  # (the rewriter needs the graph and the cuts: alike at every batch)
 
+    peaks: dict[int, int] = {}
+
     def peak(b: int) -> int:  # (interpolated where the costs are affine: no trace)
-        return peak_and_plan(bc.rank(b), strategy, opt)[0]
+        if b not in peaks:
+            peaks[b] = peak_and_plan(bc.rank(b), strategy, opt)[0]
+        return peaks[b]
 
     def replayed(b: int) -> tuple[bool, int, int]:
         if b not in seen:
@@ -558,16 +562,17 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
         if hi - lo <= 1:
             break
         # the next guess: where the reserved bytes, about affine in the batch between the bounds, meet the
-        # memory (a secant through the two bounds' replays); from the first bound alone, the batch whose
-        # predicted peak plus what the allocator added at that bound meets it; bisection where a guess
-        # falls on a bound (fragmentation makes the reserved bytes step unevenly)
+        # memory (a secant through the two bounds' replays); from a first bound that does not fit, the batch
+        # whose predicted peak plus what the allocator added there meets it
         if lo in seen and hi in seen:
             (_, _, r_lo), (_, _, r_hi) = seen[lo], seen[hi]
             guess = lo + (memory - r_lo) * (hi - lo) // max(r_hi - r_lo, 1)
+        elif not fits and b > 1:  # (the peak about affine in the batch: its slope from b and 1)
+            slope = max((peak(b) - peak(1)) / (b - 1), 1.0)
+            guess = 1 + int((memory - (reserved - peak(b)) - peak(1)) // slope)
         else:
-            over = reserved - peak(b)
-            guess = largest_fitting(lambda c: peak(c) + over <= memory, hi - 1) if fits is False else hi - 1
-        b = guess if lo < guess < hi else (lo + hi) // 2
+            guess = hi - 1
+        b = min(max(guess, lo + 1), hi - 1)  # (a guess on a bound: the batch next to it)
     nxt_reserved = seen[hi][2] if hi in seen else None
     if lo == 0:
         return BatchFit(strategy, 0, None, peak_and_plan(bc.rank(1, trace=True), strategy, opt)[0], (), 0.0, True,
