@@ -1,6 +1,7 @@
 """The caching-allocator replay against the allocator histories recorded on a GPU.
 
     python -m benchmarks.allocator_replay       # -> benchmarks/results/allocator_replay/latest.json
+    python -m benchmarks.allocator_replay --no-synthesized --no-max-batch   # the recorded allocations alone
 
 Each recorded case (``benchmarks/data/cuda_alloc/*.json.gz``, README there) is the whole life of one
 process's CUDA allocator: the model built, planned, two Adam steps. Its allocations and frees
@@ -13,6 +14,12 @@ device (the lowest gap that holds them). At each phase's snapshot the replay's r
 peak since the phase's reset are compared with ``memory_reserved``/``max_memory_reserved``; a case that
 ran out of memory must fail in the replay at the same request, and one that fit must not fail.
 (Addresses do not matter with expandable segments: one segment per pool.)
+
+``synthesized``: each case against the replay of its allocations built without the device, as
+``max_batch`` on CUDA builds them (:func:`ckptopt.planning.reserved.step_events`: the model built on the
+CPU at the case's batch, its plan applied to a fake copy, Adam's foreach step). ``max_batch_8gib``:
+``max_batch(..., device="cuda")``'s answers under 8 GiB for the models ``gpu_max_batch.py`` trains, planned
+here, for a GPU session to check.
 """
 
 from __future__ import annotations
@@ -160,10 +167,32 @@ def synthesize_all(files=None) -> list[dict]:
     return rows
 
 
+def max_batch_answers(memory: str = "8GiB") -> dict:
+    """``max_batch(..., device="cuda")`` planned on this machine for the models of ``gpu_max_batch.py``
+    (``gpu_accuracy.MAX_BATCH``) under ``memory``: each answer, how it was fitted (the replay, or the
+    headroom share and why), and the seconds it took. A GPU session trains them
+    (``benchmarks/gpu_max_batch.py``)."""
+    from benchmarks import gpu_accuracy
+    from ckptopt.planning import max_batch
+
+    out = {}
+    for name, (spec, kw) in gpu_accuracy.MAX_BATCH.items():
+        model, x, loss = gpu_accuracy._load(spec, kw, "cpu")
+        t0 = time.perf_counter()
+        mb = max_batch(model, x, memory, optimizer="adam", device="cuda", loss_fn=loss)
+        out[name] = dict(result=mb.to_dict(), seconds=round(time.perf_counter() - t0, 1))
+        fits = [(f.strategy, f.batch, f.reserved_bytes) for f in (mb.no_checkpointing, mb.optimal)]
+        print(f"  {name}: {fits}, fitted by {mb.fitted_by}" + (f" ({mb.replay_note})" if mb.replay_note else ""),
+              flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-synthesized", action="store_true", help="leave out the replays of sequences built "
                     "without the device (a few minutes: each case's model is built and stepped on fake tensors)")
+    ap.add_argument("--no-max-batch", action="store_true", help="leave out max_batch's answers on CUDA under "
+                    "8 GiB, planned here (a minute or two a model)")
     args = ap.parse_args(argv)
     result = dict(meta=run_metadata("allocator_replay"))
     for label, addresses in (("recorded_addresses", True), ("replay_addresses", False)):
@@ -184,6 +213,8 @@ def main(argv=None) -> int:
         right = sum(r["fits_answer_right"] for r in ok)
         print(f"synthesized: {len(rows)} cases, {len(ok)} the replay takes (no convolution): peak reserved within "
               f"one segment in {within}, fits/out-of-memory answer right in {right}")
+    if not args.no_max_batch:
+        result["max_batch_8gib"] = max_batch_answers()
     path = result_path("allocator_replay")
     write_json(path, result)
     print(f"wrote {path}")

@@ -944,7 +944,27 @@ def gpu_allocator_replay(r: Results) -> str:
         "cuDNN workspaces the device sizes at run time (marked).",
         table(["case", "device addresses: exact phases", "replay alone: worst peak error", "largest segment",
                "answer", "built without the device: step peaks' error", "its answer"], rows),
+        _max_batch_replayed(d),
         source(r, "allocator_replay/latest.json"))
+
+
+def _max_batch_replayed(d: dict) -> str:
+    """A sentence on ``max_batch(..., device="cuda")``'s answers planned here (the file's ``max_batch_8gib``)."""
+    answers = d.get("max_batch_8gib")
+    if not answers:
+        return ""
+    parts = []
+    for name, entry in answers.items():
+        res = entry["result"]
+        fits = []
+        for key, label in (("no_checkpointing", "without checkpoints"), ("optimal", "with the optimal plan")):
+            f = res[key]
+            fits.append(f"{f['batch']} {label}" + (f" (reserving {mib(f['reserved_bytes'], 0)})"
+                                                    if f.get("reserved_bytes") else ""))
+        how = "the replay" if res["fitted_by"] == "replay" else f"the headroom share ({res['replay_note']})"
+        parts.append(f"{name}: {', '.join(fits)}, fitted by {how}, in {entry['seconds']:.0f} s")
+    return ("`max_batch(model, x, \"8GiB\", optimizer=\"adam\", device=\"cuda\")` planned on this machine for the "
+            "models `gpu_max_batch.py` trains (for a GPU session to train): " + "; ".join(parts) + ".")
 
 
 def gpu_max_batch_section(r: Results) -> str:
