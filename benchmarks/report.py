@@ -596,11 +596,38 @@ def _frontier_row(row: dict) -> list:
     budget = f"{row['budget_from']}'s peak" if row.get("budget_from") else ""
     plan = (f"{pct(row['predicted_recompute_share'], 1, False)}, {row['segments']} segments"
             if "predicted_recompute_share" in row else "")
+    first = row.get("first_try")
+    if first:
+        budget += f" (first plan compiled to {mib(first['peak_profiler_bytes'])}: over; budget lowered by the excess)"
     return [row["method"], _ratio(row.get("peak_vs_none")), times(row.get("time_vs_none")),
             f"{mib(row.get('peak_bytes'))} ({row.get('peak_instrument', '–')})",
             sb(row["peak_tracker_bytes"] - pred) if pred and "peak_tracker_bytes" in row else "",
             plan, budget + (f" (same plan as {row['same_plan_as']})" if row.get("same_plan_as") else ""),
             (row.get("error") or "")[:90]]
+
+
+def _against_peers(mine: list[dict]) -> str:
+    """Per peer: its point, ckptopt's at its measured peak (eager for an eager peer; compiled for a compiled
+    one, where measured), and ckptopt's time over the peer's."""
+    by = {x["method"]: x for x in mine}
+    rows = []
+    for x in mine:
+        if x["family"] in ("none", "ckptopt", "ckptopt-compiled") or "time_vs_none" not in x:
+            continue
+        for fam in ("ckptopt", "ckptopt-compiled"):
+            ours = by.get(f"{fam}@{x['method']}")
+            if ours is None or (fam == "ckptopt" and x["family"] == "compile" and f"ckptopt-compiled@{x['method']}" in by):
+                continue
+            if "time_vs_none" not in ours:
+                rows.append([x["method"], f"{_ratio(x['peak_vs_none'])} / {times(x['time_vs_none'])}", fam, "–", "–",
+                             (ours.get("error") or "")[:60]])
+                continue
+            rows.append([x["method"], f"{_ratio(x['peak_vs_none'])} / {times(x['time_vs_none'])}", fam,
+                         f"{_ratio(ours['peak_vs_none'])} / {times(ours['time_vs_none'])}",
+                         times(ours["time_vs_none"] / x["time_vs_none"]),
+                         "at or below" if ours["peak_bytes"] <= x["peak_bytes"] else "ABOVE"])
+    return table(["peer", "peer: peak / time", "ckptopt", "ckptopt at the peer's peak: peak / time",
+                  "time / peer's", "peak against the peer's"], rows) if rows else ""
 
 
 def fast_frontier(r: Results) -> str:
@@ -612,7 +639,8 @@ def fast_frontier(r: Results) -> str:
              "layer, PyTorch's selective activation checkpointing (torchtitan's way: keep matmul and fused-attention "
              "outputs, or matmul outputs only, recompute the rest), `torch.compile` at several "
              "`activation_memory_budget` values, ckptopt's lowest-peak plan and its plan at each peer's measured "
-             "peak (`budget=`). A step is zero_grad, forward with the model's loss and backward (no optimizer "
+             "peak (`budget=`), and (`ckptopt-compiled`) ckptopt's plans compiled as the compiled peers are, at "
+             "their measured peaks. A step is zero_grad, forward with the model's loss and backward (no optimizer "
              "step). "
              + (f"Medians of {d['rounds']} interleaved rounds (order rotated each round)" if d["rounds"] > 1 else
                 "One round (a single step of each method, interleaved, after a warm-up step each): the times are "
@@ -633,6 +661,7 @@ def fast_frontier(r: Results) -> str:
                      f"steps: {sb(min(gaps)) if gaps else '–'} to {sb(max(gaps)) if gaps else '–'}.")
         parts.append(table(["method", "peak / none", "step time / none", "measured peak", "measured − predicted",
                             "ckptopt: predicted recompute", "ckptopt budget"] + (["error"] if errors else []), rows))
+        parts.append(_against_peers(mine))
     parts.append(_time_prediction(d["rows"]))
     parts += [source(r, "frontier/latest.json"), figure(r, "frontier/frontier.png", "peak against step time")]
     return block(*parts)
@@ -644,7 +673,8 @@ def time_prediction_errors(rows: list[dict]) -> list[tuple[str, str, float]]:
     relative to the measured one."""
     out = []
     for x in rows:
-        if x.get("predicted_time_vs_none_flops") and x.get("time_vs_none") and not x.get("same_plan_as"):
+        if (x.get("predicted_time_vs_none_flops") and x.get("time_vs_none") and not x.get("same_plan_as")
+                and x.get("family", "ckptopt") == "ckptopt"):  # (an eager prediction: not for a compiled step)
             out.append((x["model"], x["method"],
                         (x["predicted_time_vs_none_flops"] - x["time_vs_none"]) / x["time_vs_none"]))
     return out
