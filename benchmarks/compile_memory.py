@@ -23,10 +23,11 @@ number of ops (214), and the eager ckptopt peak equals its prediction to 8
 bytes; with a dispatch mode active the compiled call may well run its eager
 fallback, so this is no evidence about the compiled graph's memory. The
 profiler recorded only 3-21 allocator events per step (hundreds of tensors
-are made), so its figures are not usable either. The compiled backward's
-memory is therefore NOT measured on CPU; on CUDA, ``measure_peak`` reads the
-allocator's statistics, which see compiled kernels, and this script is the
-place to add that measurement.
+are made), so its figures are not usable either: ``prof.events()`` keeps only
+some of the memory events. ``benchmarks/frontier.py`` reads them all from the
+raw kineto events and measures compiled peaks that way (checked against the
+tracker on eager steps); on CUDA, ``measure_peak`` reads the allocator's
+statistics, which see compiled kernels.
 """
 
 from __future__ import annotations
