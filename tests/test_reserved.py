@@ -181,3 +181,20 @@ def test_estimate_on_cuda_needs_the_least_memory_the_replay_runs_the_steps_in(mo
         assert replay(events, need).fits and not replay(events, need - 2 * MiB).fits
     off = estimate(model, x, device="cuda", keep_output=True)
     assert off.replayed is None and "keeps the output" in off.replay_note
+
+
+def test_a_step_that_does_not_run_on_fake_tensors_leaves_the_answer_to_the_headroom_share(monkeypatch):
+    """Where the loop's fake step cannot run (a forward reading a value no fake tensor has), estimate and
+    max_batch keep the headroom share and say why, rather than failing."""
+    import ckptopt.planning.reserved as reserved
+    from ckptopt import estimate
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("aten._local_scalar_dense on a fake tensor")
+
+    monkeypatch.setattr(reserved, "step_events", fails)
+    model, x = _mlp(), torch.randn(64, 64)
+    est = estimate(model, x, device="cuda")
+    assert est.replayed is None and "did not run on fake tensors" in est.replay_note
+    mb = max_batch(model, x, "1GiB", device="cuda")
+    assert mb.fitted_by == "headroom" and "did not run on fake tensors" in mb.replay_note

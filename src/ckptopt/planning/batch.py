@@ -542,7 +542,11 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
             plan = peak_and_plan(bc.rank(b), strategy, opt, final=True)[1]
             build = None if strategy == "none" else (lambda fm: apply_plan(fm, graph, plan))
             x = with_batch(bc.inputs, b, bc.example_batch)
-            steps = step_events(bc.model, x, bc.loss_fn, build, opt.name, opt.impl)
+            try:
+                steps = step_events(bc.model, x, bc.loss_fn, build, opt.name, opt.impl)
+            except Exception as exc:  # noqa: BLE001 - the share answers instead, and the answer says why
+                raise ReplayDeclined(f"the step did not run on fake tensors ({type(exc).__name__}: "
+                                     f"{str(exc)[:200]})") from exc
             if steps.unsupported:
                 raise ReplayDeclined(steps.unsupported)
             capped = replay(steps.events, memory, rules, expandable)

@@ -260,7 +260,10 @@ def replayed_needs(model: nn.Module, inputs, loss_fn: Callable | None, builds: d
     when a step makes allocations the replay cannot know."""
     out = {}
     for label, build in builds.items():
-        steps = step_events(model, inputs, loss_fn, build, optimizer, impl)
+        try:
+            steps = step_events(model, inputs, loss_fn, build, optimizer, impl)
+        except Exception as exc:  # noqa: BLE001 - the share answers instead, and the answer says why
+            return None, f"the step did not run on fake tensors ({type(exc).__name__}: {str(exc)[:200]})"
         if steps.unsupported:
             return None, steps.unsupported
         out[label] = least_capacity(steps.events)
