@@ -451,3 +451,20 @@ def test_a_model_that_runs_but_neither_front_end_follows_is_not_blamed_on_the_ba
     msg = str(err.value)
     assert "rejects the example batch" not in msg
     assert "torch.export" in msg and "test_capture_errors.py" in msg and ".numpy()" in msg
+
+
+def _calls_numpy_badly():
+    import numpy as np
+
+    np.put_along_axis(np.zeros((2, 4)), np.zeros((2, 1)), 1, -1)  # (float indices: numpy raises inside)
+
+
+def test_a_failure_inside_numpy_is_named_at_the_models_line_that_called_it():
+    """SpeechT5's SpecAugment masks with numpy: export fails inside numpy, and the message names the
+    model's line that called it, not numpy's own."""
+    from ckptopt.torch_utils import source_line
+
+    with pytest.raises(IndexError) as info:
+        _calls_numpy_badly()
+    where = source_line(info.value)
+    assert "_calls_numpy_badly" in where and "np.put_along_axis" in where and "numpy/" not in where

@@ -192,9 +192,12 @@ def _short_path(path: str) -> str:
 
 
 def _internal_path(path: str) -> bool:
+    """Whether a frame is inside torch, ckptopt, numpy or the standard library's wrappers rather than the
+    model's code (a failure inside numpy is named at the model's line that called it)."""
     path = path.replace("\\", "/")
-    return any(part in path for part in ("/torch/", "torch/_", "/ckptopt/", "/contextlib.py", "/functools.py")) \
-        or path.startswith(("torch/", "_export/", "fx/", "_dynamo/"))
+    return any(part in path for part in ("/torch/", "torch/_", "/ckptopt/", "/contextlib.py", "/functools.py",
+                                         "/numpy/")) \
+        or path.startswith(("torch/", "_export/", "fx/", "_dynamo/", "numpy/"))
 
 
 def _full_path(path: str) -> str:
