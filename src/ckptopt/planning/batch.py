@@ -477,6 +477,13 @@ def max_batch(model, example_inputs, memory=None, optimizer: str = "adam", impl:
     Calibrated (the default on CUDA), each answer is then run layer by layer on the
     device at its batch size (:func:`ckptopt.calibration.calibrate`) and lowered
     until the measured scratch and workspace fit too (a few calibrations).
+
+    On CUDA, unless a ``headroom`` is given, the answers are instead fitted by replaying the caching
+    allocator over the first two training steps' allocations (:func:`replayed_fit`,
+    :mod:`ckptopt.planning.reserved`; ``fitted_by="replay"``): no share is kept and nothing is
+    calibrated. Where the replay cannot know the step's allocations (convolutions, an allocator
+    setting it does not model, a rank of a parallel run, ``keep_output``) the above applies and
+    ``replay_note`` says why.
     """
     bc = BatchCosts(model, example_inputs, loss_fn, leaf_modules, capture=capture, parallel=parallel)
     opt = optimizer_for(bc, optimizer, impl, device)
@@ -518,9 +525,9 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
     ``strategy``'s plan at each batch.
 
     No batch whose predicted peak passes ``memory`` fits (the allocator reserves at least what is
-    allocated), so the search starts at the largest that does; from a batch that does not fit it
-    steps down in proportion to what the replay without a limit reserves there, then bisects. The
-    answer fits and one more sample does not.
+    allocated), so the search starts at the largest that does; each next guess is where a secant
+    through the replayed reserved bytes (without a limit) at the two bounds meets ``memory``, the batch
+    next to a bound where it falls on one. The answer fits and one more sample does not.
 
     Raises :class:`ReplayDeclined` when the step makes allocations the replay cannot know."""
     from ..rewriter import apply_plan
@@ -528,7 +535,7 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
 
     expandable, rules, _ = allocator_settings()
     seen: dict[int, tuple[bool, int, int]] = {}  # batch -> (fits, reserved peak under memory, without a limit)
-    graph = bc.traced(bc.example_batch)  # (the rewriter needs the graph and the cuts: alike at every batch)
+    graph = next(iter(bc._traced.values()))  # (the rewriter needs a graph and its cuts: alike at every batch)
 
     peaks: dict[int, int] = {}
 

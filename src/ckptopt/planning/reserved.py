@@ -176,7 +176,6 @@ def step_events(model: nn.Module, inputs, loss_fn: Callable | None = None, build
     the copy; None: the copy itself). ``inputs``: :class:`ckptopt.torch_utils.Inputs`."""
     from ..fake import fake_copy
     from ..measure import forward_loss
-
     from ..tracer.meta import unmaterialized
 
     name = check_optimizer(optimizer)
