@@ -192,24 +192,44 @@ def step_events(model: nn.Module, inputs, loss_fn: Callable | None = None, build
             tracker.events = events
             tracker.recording = True
             with tracker:
-                for k in range(steps):
-                    phases.append((f"step{k + 1}", len(events)))
-                    for p in params:  # zero_grad(set_to_none=True), in the optimizer's order
-                        p.grad = None
-                    tracker.pass_name = "forward"
-                    loss = forward_loss(run, fake.inputs, loss_fn)
-                    tracker.pass_name = "backward"  # (autograd's device thread: a cuBLAS handle of its own)
-                    loss.backward()
-                    del loss
-                    sizes = [p.numel() * p.element_size() for p in params if p.grad is not None]
-                    if name != "none":
-                        events += step_allocations(sizes, name, impl, first=k == 0, tag=k)
+                phases.append(("step1", len(events)))
+                for p in params:  # zero_grad(set_to_none=True), in the optimizer's order
+                    p.grad = None
+                tracker.pass_name = "forward"
+                loss = forward_loss(run, fake.inputs, loss_fn)
+                tracker.pass_name = "backward"  # (autograd's device thread: a cuBLAS handle of its own)
+                loss.backward()
+                del loss
+            grads = [id(real_storage(p.grad, True)) for p in params if p.grad is not None]
+            sizes = [p.numel() * p.element_size() for p in params if p.grad is not None]
     finally:
         tracker.recording = False
         tracker.detach()
         if run is not fake.model and hasattr(run, "remove_hooks"):
             run.remove_hooks()
+    step = events[phases[-1][1]:]
+    if name != "none":
+        events += step_allocations(sizes, name, impl, first=True, tag=0)
+    for k in range(1, steps):  # each later step runs the first one's forward and backward again
+        phases.append((f"step{k + 1}", len(events)))
+        events += _again(step, grads if k == 1 else [(k - 1, g) for g in grads], k)
+        if name != "none":
+            events += step_allocations(sizes, name, impl, first=False, tag=k)
     return StepEvents(events, phases, tracker.unsupported)
+
+
+def _again(step: list[tuple[str, Any, int]], grads: list, k: int) -> list[tuple[str, Any, int]]:
+    """The forward and backward of step ``k`` (from 1) as the first step made them: the fake step is the
+    same every time, so its events repeat with the step's own keys, after ``zero_grad(set_to_none=True)``
+    frees the previous step's gradients (``grads``: their keys, in the optimizer's order). What the
+    first step made once and kept (cuBLAS's workspaces) is not made again."""
+    made = {key for what, key, _ in step if what == "alloc"}
+    out: list[tuple[str, Any, int]] = [("free", g, 0) for g in grads]
+    for what, key, size in step:
+        if isinstance(key, tuple) and key[0] == "cublas workspace":
+            continue
+        out.append((what, (k, key) if key in made else key, size))
+    return out
 
 
 def replay_steps(steps: StepEvents, capacity: int | None, conf: str | None = None) -> ReplayResult:
