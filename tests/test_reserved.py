@@ -82,16 +82,6 @@ def test_allocator_settings_are_read_and_unmodelled_ones_named():
                      "garbage_collection_threshold:0.6")
 
 
-def _unused_tiny_llama():
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    from ckptopt.zoo.hf import get_hf
-
-    return get_hf("LlamaForCausalLM", 2, 64, dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176,
-                                                  num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
-                                                  max_position_embeddings=128))
-
-
 def test_max_batch_on_cuda_is_the_largest_batch_the_allocator_replay_serves(monkeypatch):
     """On CUDA (planned here, without one) max_batch answers with the replay: the answer's first two steps
     reserve at most the memory, and one more sample does not fit (by the replay or by its allocated peak)."""
