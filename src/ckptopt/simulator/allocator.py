@@ -135,6 +135,7 @@ class CachingAllocator:
         self._blocks: dict[int, _Block] = {}  # id(block) -> block, for the pools' keys
         self._live: dict[object, _Block] = {}
         self.segments: list[_Segment] = []
+        self._spans: list[tuple[int, int]] = []  # (addr, size) of the live segments, by address
 
     # -- the pools --------------------------------------------------------
     def _key(self, b: _Block) -> tuple[int, int, int, int]:
@@ -199,10 +200,10 @@ class CachingAllocator:
         if self.addresses:
             return self.addresses.pop(0)
         end = 0
-        for seg in sorted(self.segments, key=lambda s: s.addr):
-            if seg.addr - end >= size:
+        for addr, length in self._spans:
+            if addr - end >= size:
                 return end
-            end = max(end, seg.addr + seg.size)
+            end = max(end, addr + length)
         return end
 
     def _reserve(self, size: int, small: bool, stream: int) -> _Block | None:
@@ -211,6 +212,7 @@ class CachingAllocator:
         seg = _Segment(self._address(size), size, small, stream)
         seg.head = _Block(seg.addr, size, seg)
         self.segments.append(seg)
+        bisect.insort(self._spans, (seg.addr, size))
         self.reserved += size
         self.max_reserved = max(self.max_reserved, self.reserved)
         return seg.head
@@ -222,14 +224,19 @@ class CachingAllocator:
     def _splits(self, small: bool, rounded: int, remaining: int) -> bool:
         return self.rules.splits(small, rounded, remaining)
 
+    def _drop(self, seg: _Segment) -> None:
+        """Give a wholly free segment back to the device (``cudaFree``)."""
+        self.segments.remove(seg)
+        del self._spans[bisect.bisect_left(self._spans, (seg.addr, seg.size))]
+        self.reserved -= seg.size
+
     def release_cached(self) -> None:
         """Release every segment that is wholly free (``release_cached_blocks``, both pools)."""
         for seg in list(self.segments):
             b = seg.head
             if b.free and b.next is None:
                 self._remove(b)
-                self.segments.remove(seg)
-                self.reserved -= seg.size
+                self._drop(seg)
 
     def _release_one_oversize(self, size: int) -> bool:
         """With ``max_split_size`` set: release the smallest wholly free oversize segment of at least
@@ -243,8 +250,7 @@ class CachingAllocator:
             return False
         seg = min(cands, key=lambda s: (s.size, s.addr))
         self._remove(seg.head)
-        self.segments.remove(seg)
-        self.reserved -= seg.size
+        self._drop(seg)
         return True
 
     # -- requests ---------------------------------------------------------
