@@ -493,7 +493,9 @@ def ckptopt_compiled_methods(name: str, model, batch: dict, peers: list[Method],
         budget, first = target, None
         for attempt in range(2):
             try:
+                t0 = time.perf_counter()
                 module = optimize_checkpoints(model, batch, budget=budget, in_place=False)
+                plan_seconds = time.perf_counter() - t0
                 step, seconds = compile_step(module, batch, 1.0, start + 2 * k + attempt)
             except Exception as exc:  # noqa: BLE001 - recorded (an infeasible budget included), the run goes on
                 kind = "InfeasibleBudget" if isinstance(exc, InfeasibleBudget) else type(exc).__name__
@@ -515,7 +517,7 @@ def ckptopt_compiled_methods(name: str, model, batch: dict, peers: list[Method],
                 print(f"{name} {label}: FAILED {kind}: {str(exc)[:300]}", flush=True)
                 break
             row = dict(budget_bytes=budget, budget_from=peer, compile_seconds=round(seconds, 2),
-                       static_bytes=static, **_ckptopt_row(module, 0.0))
+                       static_bytes=static, **_ckptopt_row(module, plan_seconds))
             row.update(profiler_peak(step, model, static))
             row["peak_bytes"], row["peak_instrument"] = row["peak_profiler_bytes"], "profiler"
             if target is None or row["peak_bytes"] <= target or attempt:

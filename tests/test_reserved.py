@@ -20,7 +20,8 @@ from ckptopt.torch_utils import normalize_inputs
 MiB = 1 << 20
 
 
-def _live_peak(events) -> int:
+def _live(events) -> tuple[int, int]:
+    """``(live bytes at the end, their peak)`` of alloc/free events."""
     live, peak, size = 0, 0, {}
     for what, key, b in events:
         if what == "alloc":
@@ -29,7 +30,11 @@ def _live_peak(events) -> int:
         else:
             live -= size.pop(key)
         peak = max(peak, live)
-    return peak
+    return live, peak
+
+
+def _live_peak(events) -> int:
+    return _live(events)[1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -41,10 +46,7 @@ def test_the_optimizer_steps_allocations_reach_its_measured_state_and_transient(
     first = step_allocations(sizes, name, impl, first=True, tag=0)
     later = step_allocations(sizes, name, impl, first=False, tag=1)
     om = optimizer_memory(sizes, name, impl, device="cuda")
-    live_after = sum(b for w, _, b in first if w == "alloc") - sum(
-        b for (w, k, _), b in zip(first, [dict((k, b) for w2, k, b in first if w2 == "alloc").get(k, 0)
-                                           for _, k, _ in first]) if w == "free")
-    assert live_after == om.state_bytes
+    assert _live(first)[0] == om.state_bytes
     assert _live_peak(later) == om.step_transient_bytes
     assert all(k[0] in ("sqrt", "denom") for _, k, _ in later)  # no state made after the first step
 
