@@ -299,3 +299,31 @@ def test_a_cache_configured_in_a_submodule_is_off_while_capturing():
     torch.manual_seed(1)
     want = ref(**batch)
     assert torch.equal(out.loss, want.loss)
+
+
+def test_an_export_at_the_example_shapes_prices_every_plan_as_the_dynamic_one():
+    """``estimate`` exports at the example's shapes (``dynamic_shapes=False``: symbolic shapes cost most of
+    an export's time); the graph differs in places (a slice where the dynamic one has an alias) and the
+    cost model must not: every plan's peak and recomputation the same, padded batch included."""
+    import random
+
+    from ckptopt import simulate
+    from ckptopt.tracer import trace
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 128, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    rng = random.Random(0)
+    for batch in (dict(input_ids=ids, labels=ids), dict(input_ids=ids, attention_mask=mask, labels=ids)):
+        dyn, static = trace(model, batch), trace(model, batch, dynamic_shapes=False)
+        assert dyn.capture.dynamic and not static.capture.dynamic
+        assert static.n == dyn.n
+        for _ in range(300):
+            cps = tuple(sorted(rng.sample(range(1, dyn.n), rng.randint(1, 8))))
+            stored = tuple(c for c in cps[:-1] if rng.random() < 0.3)
+            a, b = simulate(dyn.costs, cps, stored), simulate(static.costs, cps, stored)
+            assert (a.peak_bytes, a.recompute_flops) == (b.peak_bytes, b.recompute_flops), (cps, stored)

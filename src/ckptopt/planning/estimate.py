@@ -435,8 +435,10 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     """
     inputs = normalize_inputs(example_inputs)
     leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-    # (under FSDP2's mixed precision: what a rank computes in)
-    tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture)
+    # (under FSDP2's mixed precision: what a rank computes in; at the example's shapes: an estimate plans
+    # one shape, and dynamic shapes would double the export's time)
+    tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture,
+                    dynamic_shapes=False)
     model_dev = planned_on(model)
     dev = device or model_dev
     calibrated = calibration_choice(calibrate, dev, model_dev, parallel)

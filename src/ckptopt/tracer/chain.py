@@ -148,6 +148,7 @@ def trace(
     leaf_modules: Iterable[str | type] | None = None,
     capture: str = "auto",
     max_crossing: int | None = None,
+    dynamic_shapes: bool = True,
 ) -> TracedModel:
     """Trace ``model`` into a chain cost model without allocating activations.
 
@@ -181,6 +182,10 @@ def trace(
         1) while the model would have more than 1,000 layers or a trial run of the exact
         side-tensor program on its costs does not finish within ``SIDE_AUTO_MAX_WORK``
         (about 2 s; it can take minutes where nothing prunes; ``capture.notes`` says so).
+    dynamic_shapes : bool, default True
+        Export with dynamic batch and sequence dimensions, so that the graph (and a plan applied
+        to it) runs on other shapes; False captures the example's shapes only, which is faster
+        (for a caller that plans one shape, as :func:`ckptopt.planning.estimate` does).
 
     Returns
     -------
@@ -211,7 +216,7 @@ def trace(
         raise ValueError(f"max_crossing must be an integer >= 1 (1: single-tensor cuts only), got {max_crossing!r}")
     inputs = check_model_and_inputs(model, example_inputs)
     model, inputs = unmaterialized(model, inputs)  # meta tensors: fakes on a real device
-    captured = capture_graph(model, inputs, capture, leaf_modules)
+    captured = capture_graph(model, inputs, capture, leaf_modules, dynamic_shapes)
     return trace_captured(model, captured, inputs, loss_fn, max_crossing)
 
 

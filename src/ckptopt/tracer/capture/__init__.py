@@ -55,8 +55,10 @@ def check_capture_mode(how: str) -> str:
 
 
 def capture(model: nn.Module, inputs: Inputs, how: str = "auto",
-            leaf_modules: Iterable[str | type] | None = None) -> Captured:
+            leaf_modules: Iterable[str | type] | None = None, dynamic_shapes: bool = True) -> Captured:
     """The model's forward as a graph, by the front end ``how`` names (``"auto"``: FX, then export).
+    ``dynamic_shapes=False``: an exported graph is for the example's shapes only (faster; FX graphs
+    are shape-free either way).
 
     Raises
     ------
@@ -71,7 +73,7 @@ def capture(model: nn.Module, inputs: Inputs, how: str = "auto",
     state = python_state(model)  # FX runs the forward's Python code on the model itself, with proxies
     try:
         with _export_notes_hidden():
-            return _capture(model, inputs, how, leaf_modules, state)
+            return _capture(model, inputs, how, leaf_modules, state, dynamic_shapes)
     except TraceError as exc:
         if exc.node is None:  # a mistake in the arguments (unknown leaf_modules), not the model
             raise
@@ -108,10 +110,12 @@ def _export_notes_hidden():
             lg.setLevel(level)
 
 
-def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state) -> Captured:
+def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state, dynamic_shapes: bool = True) -> Captured:
+    if how == "export":
+        with _no_partial_graph():
+            return export_capture(model, inputs, leaf_modules, dynamic_shapes)
     if how != "auto":
-        with _no_partial_graph() if how == "export" else contextlib.nullcontext():
-            return FRONT_ENDS[how](model, inputs, leaf_modules)
+        return FRONT_ENDS[how](model, inputs, leaf_modules)
     try:
         return fx_capture(model, inputs, leaf_modules)
     except TraceError as exc:
@@ -122,7 +126,7 @@ def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state) ->
     restore_python_state(state)  # what FX left in the model's attributes (proxies) is gone before export runs
     try:
         with _no_partial_graph():
-            captured = export_capture(model, inputs, leaf_modules)
+            captured = export_capture(model, inputs, leaf_modules, dynamic_shapes)
     except TraceError as ex_exc:
         raise TraceError(_both_failed(model, fx_exc, ex_exc), node=fx_exc.node) from ex_exc
     cause = str(fx_exc).split(": ", 1)[-1].split(". ")[0]
