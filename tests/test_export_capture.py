@@ -303,8 +303,8 @@ def test_a_cache_configured_in_a_submodule_is_off_while_capturing():
 
 def test_an_export_at_the_example_shapes_prices_every_plan_as_the_dynamic_one():
     """``estimate`` exports at the example's shapes (``dynamic_shapes=False``: symbolic shapes cost most of
-    an export's time); the graph differs in places (a slice where the dynamic one has an alias) and the
-    cost model must not: every plan's peak and recomputation the same, padded batch included."""
+    an export's time); the two graphs must price alike: the same layer figures, and every plan's peak and
+    recomputation the same, padded batch included."""
     import random
 
     from ckptopt import simulate
@@ -321,7 +321,9 @@ def test_an_export_at_the_example_shapes_prices_every_plan_as_the_dynamic_one():
     for batch in (dict(input_ids=ids, labels=ids), dict(input_ids=ids, attention_mask=mask, labels=ids)):
         dyn, static = trace(model, batch), trace(model, batch, dynamic_shapes=False)
         assert dyn.capture.dynamic and not static.capture.dynamic
-        assert static.n == dyn.n
+        # the final norm's `hidden_states[:, slice(-0, None), :]`: two whole-dimension slices in the dynamic
+        # graph, an alias at fixed shapes (and in eager indexing): taken as aliases, the same layer figures
+        assert static.costs.to_dict()["layers"] == dyn.costs.to_dict()["layers"]
         for _ in range(300):
             cps = tuple(sorted(rng.sample(range(1, dyn.n), rng.randint(1, 8))))
             stored = tuple(c for c in cps[:-1] if rng.random() < 0.3)

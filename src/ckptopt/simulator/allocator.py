@@ -136,6 +136,7 @@ class CachingAllocator:
         self._live: dict[object, _Block] = {}
         self.segments: list[_Segment] = []
         self._spans: list[tuple[int, int]] = []  # (addr, size) of the live segments, by address
+        self._span_bytes = 0  # their sizes summed: equal to the last one's end when they leave no gap
 
     # -- the pools --------------------------------------------------------
     def _key(self, b: _Block) -> tuple[int, int, int, int]:
@@ -199,6 +200,11 @@ class CachingAllocator:
         lowest)."""
         if self.addresses:
             return self.addresses.pop(0)
+        if not self._spans:
+            return 0
+        last = self._spans[-1][0] + self._spans[-1][1]
+        if last == self._span_bytes:  # (non-overlapping spans whose sizes fill [0, last): no gap to scan)
+            return last
         end = 0
         for addr, length in self._spans:
             if addr - end >= size:
@@ -213,6 +219,7 @@ class CachingAllocator:
         seg.head = _Block(seg.addr, size, seg)
         self.segments.append(seg)
         bisect.insort(self._spans, (seg.addr, size))
+        self._span_bytes += size
         self.reserved += size
         self.max_reserved = max(self.max_reserved, self.reserved)
         return seg.head
@@ -228,6 +235,7 @@ class CachingAllocator:
         """Give a wholly free segment back to the device (``cudaFree``)."""
         self.segments.remove(seg)
         del self._spans[bisect.bisect_left(self._spans, (seg.addr, seg.size))]
+        self._span_bytes -= seg.size
         self.reserved -= seg.size
 
     def release_cached(self) -> None:

@@ -144,6 +144,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     gm.graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output; the specs are kept
     _constants_to_root(gm, model)
     _batch_norm_once(gm, model)
+    _whole_slices_as_aliases(gm)
     calls = group_leaf_calls(gm, model, leaf_modules)
     if calls:
         notes.append(f"leaf_modules: {calls} block call{'s' if calls > 1 else ''} kept whole, each run through "
@@ -455,6 +456,37 @@ def _no_cache(model: nn.Module, notes: list[str]):
     finally:
         for config in configs.values():
             config.use_cache = True
+
+
+#: ``aten.slice`` "to the end": Python's ``x[a:]`` passes the largest int64 as the end
+_SLICE_END = (1 << 63) - 1
+
+
+def _whole_slices_as_aliases(gm: fx.GraphModule) -> int:
+    """Each slice of a whole dimension (start 0, to the end, step 1) replaced by an alias of its input.
+
+    Eager indexing returns the tensor itself for such a slice (``x[:, 0:]``, transformers'
+    ``hidden_states[:, slice(-logits_to_keep, None), :]`` with ``logits_to_keep=0``), and an export at
+    fixed shapes records an alias; with dynamic shapes it records ``aten.slice``, whose backward
+    allocates a zero tensor of the input's size and copies the gradient into it. As an alias the graph
+    computes the same values and its backward passes the gradient on, as the model's does, so a
+    dynamic and a fixed-shape capture allocate alike. Returns how many were replaced."""
+    import torch
+
+    aten = torch.ops.aten
+    count = 0
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not aten.slice.Tensor or n.kwargs:
+            continue
+        x, dim, start, end, step = (list(n.args) + [0, None, None, 1][len(n.args) - 1:])[:5]
+        if start in (0, None) and (end is None or (isinstance(end, int) and end >= _SLICE_END)) and step == 1:
+            with gm.graph.inserting_before(n):
+                alias = gm.graph.call_function(aten.alias.default, (x,))
+            alias.meta = dict(n.meta)
+            n.replace_all_uses_with(alias)
+            gm.graph.erase_node(n)
+            count += 1
+    return count
 
 
 def _constants_to_root(gm: fx.GraphModule, model: nn.Module) -> None:
