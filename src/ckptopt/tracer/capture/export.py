@@ -306,23 +306,20 @@ def _export_once(target: nn.Module, inputs: Inputs, device: str, eager: bool,
 
     args, kwargs = tuple(inputs.args), dict(inputs.kwargs)
     with _eager_flags(eager), device_meta_kernels(device):
-        if not dynamic_shapes:
+        first = None  # (None: no dynamic try to report)
+        if dynamic_shapes:
             try:
-                return export(target, args, kwargs=kwargs, strict=False), False, None
-            except Exception as exc:  # noqa: BLE001
+                return export(target, args, kwargs=kwargs, strict=False,
+                              dynamic_shapes=_dynamic_shapes(target, inputs)), True, None
+            except Exception as exc:  # noqa: BLE001 - retried at the example's shapes
                 if eager and data_dependent_construct(exc) is not None:
                     raise
-                raise _StaticFailed(None) from exc  # (no dynamic try to report)
-        try:
-            return export(target, args, kwargs=kwargs, strict=False,
-                          dynamic_shapes=_dynamic_shapes(target, inputs)), True, None
-        except Exception as exc:  # noqa: BLE001 - retried at the example's shapes
-            if eager and data_dependent_construct(exc) is not None:
-                raise
-            first = _first_line(exc)
+                first = _first_line(exc)
         try:
             return export(target, args, kwargs=kwargs, strict=False), False, first
         except Exception as exc2:
+            if not dynamic_shapes and eager and data_dependent_construct(exc2) is not None:
+                raise  # (as the dynamic try would have)
             raise _StaticFailed(first) from exc2
 
 
