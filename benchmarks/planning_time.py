@@ -17,6 +17,8 @@ it (wrapped for the run; a part called several times is summed):
 * ``crossing trials``: the exact side-tensor program tried at each crossing (``solves_within``);
 * ``solve``: the solvers; ``side effects``: the check that the forward can run twice;
   ``verify``: the fake training step through the rewritten module;
+* ``allocator replay``: an estimate's fake training steps and the caching allocator's replay over them
+  (``ckptopt.planning.reserved``: CUDA);
 * ``other``: the rest (assembling the costs, the rewriter, Python).
 
 ``estimate`` cases plan a full-size model from its configuration on the meta device for CUDA (bf16,
@@ -65,6 +67,7 @@ PARTS = [  # (part, module, attribute)
     ("solve", "ckptopt.planning.estimate", "solve"),
     ("side effects", "ckptopt.api", "_check_forward_has_no_python_side_effects"),
     ("verify", "ckptopt.api", "_verify_training_step"),
+    ("allocator replay", "ckptopt.planning.reserved", "replayed_needs"),
 ]
 
 

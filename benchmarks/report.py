@@ -523,7 +523,8 @@ def fast_tracing(r: Results) -> str:
 
 def fast_planning(r: Results) -> str:
     d = r("planning_time/latest.json")
-    order = ["capture", "propagate", "cuts", "measure", "crossing trials", "solve", "side effects", "verify", "other"]
+    order = ["capture", "propagate", "cuts", "measure", "crossing trials", "solve", "side effects", "verify",
+             "allocator replay", "other"]
     rows = []
     for x in d["rows"]:
         if "error" in x:
@@ -536,7 +537,9 @@ def fast_planning(r: Results) -> str:
                  "`optimize_checkpoints` (and `estimate` of full-size models from their configuration, meta device, "
                  "for CUDA, bf16, AdamW), one thread, each case in a fresh process after one untimed call; parts are "
                  "the time inside the function doing each. \"Every layer\": the same call with each layer measured "
-                 "(`SHARE_MEASUREMENTS = False`); the last column compares the two results byte for byte. Load after "
+                 "(`SHARE_MEASUREMENTS = False`); the last column compares the two results byte for byte. An estimate "
+                 "exports at the example's shapes (fixed), `optimize_checkpoints` with dynamic batch and sequence "
+                 "dimensions. Load after "
                  f"the run: `{d['meta'].get('load_after', '?').split('load average:')[-1].strip()}`.",
                  table(["case", "layers", "total", "every layer measured", *order, "costs"], rows),
                  source(r, "planning_time/latest.json"))
@@ -664,6 +667,33 @@ def fast_frontier(r: Results) -> str:
         parts.append(_against_peers(mine))
     parts.append(_time_prediction(d["rows"]))
     parts += [source(r, "frontier/latest.json"), figure(r, "frontier/frontier.png", "peak against step time")]
+    return block(*parts)
+
+
+#: the eager frontier at 15 rounds, one file per model (``python -m benchmarks.frontier --models M --no-compile
+#: --rounds 15 --out benchmarks/results/frontier/eager-M.json``)
+EAGER_FRONTIER = ("gpt2", "llama", "bert", "t5")
+
+
+def fast_frontier_eager(r: Results) -> str:
+    parts = ["### The eager frontier at 15 rounds: ckptopt at each peer's peak",
+             "The eager methods of the frontier above (no `torch.compile`), one model per run, 15 interleaved rounds "
+             "each: the peer's point, ckptopt's plan at the peer's measured peak (`budget=`), and the ratio of the two "
+             "median step times. One step of a method varies by about ±10% from round to round on this shared "
+             "machine, so a ratio within about 2% of 1 does not tell the two apart. Where ckptopt is slower at a "
+             "selective-checkpointing peak, `docs/design.md` §1 (\"What the plan space does not have yet\") says "
+             "which products its plan re-runs and the action that would keep their outputs."]
+    for name in EAGER_FRONTIER:
+        rel = f"frontier/eager-{name}.json"
+        d = r(rel)
+        m = meta_of(d)
+        load = (f"load before `{m.get('load_before', '?').split('load average:')[-1].strip()}`, after "
+                f"`{m.get('load_after', '?').split('load average:')[-1].strip()}`")
+        for info in d["models"]:
+            mine = [x for x in d["rows"] if x["model"] == info["model"]]
+            parts.append(f"**{info['model']}** ({info['sizes_text']}; {d['rounds']} rounds; {load})")
+            parts.append(_against_peers(mine))
+        parts.append(source(r, rel))
     return block(*parts)
 
 
@@ -1129,7 +1159,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
     ("How fast?",
      "Planning time (solvers, tracing, the plan check) and what a plan costs in step time. Times depend on the "
      "machine and its load; memory figures do not.",
-     [fast_solvers, fast_tracing, fast_planning, fast_recompute, fast_frontier]),
+     [fast_solvers, fast_tracing, fast_planning, fast_recompute, fast_frontier, fast_frontier_eager]),
     ("How large?",
      "Full-size models are planned on the meta device, without their weights; per-rank figures price one rank of "
      "DDP or FSDP2 from one trace.",
