@@ -44,7 +44,9 @@ no optimizer step, so what differs between methods is activation memory and reco
   (``graphs_compiled_in_warmup``), and so are those compiled during the timed rounds (``dynamo``).
 * ``ckptopt``: ``optimize_checkpoints(model, batch, in_place=False)`` (the lowest peak), and
   ``ckptopt@<peer>``: ``optimize_checkpoints(model, batch, budget=<that peer's measured peak>,
-  in_place=False)`` for every other method (for a compiled peer, its profiler-measured peak). The
+  in_place=False)`` for every other method (for a compiled peer, its profiler-measured peak), and
+  ``ckptopt@none`` at the plain model's peak: a plan that recomputes nothing, run through ckptopt's
+  rewriter (one unwrapped segment), which should cost nothing against the model itself. The
   wrappers share the model's parameters. Each ckptopt row records the plan's predicted peak and
   predicted recomputation share (of a step, from the traced FLOPs), and ``1 + share`` as the FLOP-based
   predicted time ratio, beside the measured ones. A budget plan that equals one already made is timed
@@ -446,8 +448,9 @@ def ckptopt_methods(name: str, model, batch: dict, peers: list[Method], static: 
     (``same_plan_as``)."""
     from ckptopt import InfeasibleBudget, optimize_checkpoints
 
+    # (at the plain model's peak: a plan that recomputes nothing, through the rewriter)
     targets = [("ckptopt", None, None)] + [(f"ckptopt@{p.name}", p.name, p.row["peak_bytes"])
-                                           for p in peers if p.name != "none" and "peak_bytes" in p.row
+                                           for p in peers if "peak_bytes" in p.row
                                            and (budget_peers is None or p.name in budget_peers)]
     out: list[Method] = []
     by_plan: dict[tuple, Method] = {}

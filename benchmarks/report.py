@@ -693,6 +693,12 @@ def fast_frontier_eager(r: Results) -> str:
             mine = [x for x in d["rows"] if x["model"] == info["model"]]
             parts.append(f"**{info['model']}** ({info['sizes_text']}; {d['rounds']} rounds; {load})")
             parts.append(_against_peers(mine))
+            nothing = next((x for x in mine if x["method"] == "ckptopt@none" and "time_vs_none" in x), None)
+            if nothing is not None:
+                parts.append(f"A plan that recomputes nothing (ckptopt at the plain model's peak: "
+                             f"{nothing['segments']} segment, run through ckptopt's rewriter): peak "
+                             f"{_ratio(nothing['peak_vs_none'])}, step time {times(nothing['time_vs_none'])} of the "
+                             "model's own.")
         parts.append(source(r, rel))
     return block(*parts)
 
