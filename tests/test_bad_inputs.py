@@ -309,3 +309,10 @@ def test_a_plan_that_fails_the_training_step_check(monkeypatch):
                              r"returning it, failed: RuntimeError: a segment was called with the wrong arguments",
                  small_model(), X)
     assert "please report this model" in str(err)
+
+
+@pytest.mark.parametrize("bad", ["False", 0, None])
+def test_trace_dynamic_shapes_must_be_a_flag(bad):
+    """A string "False" is truthy: taken as given it would export with dynamic shapes, silently."""
+    with pytest.raises(ValueError, match="dynamic_shapes must be True"):
+        trace(nn.Linear(4, 4), torch.randn(2, 4), dynamic_shapes=bad)

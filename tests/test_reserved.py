@@ -33,10 +33,6 @@ def _live(events) -> tuple[int, int]:
     return live, peak
 
 
-def _live_peak(events) -> int:
-    return _live(events)[1]
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=12), st.sampled_from(["adam", "adamw"]),
        st.sampled_from(["foreach", "for-loop"]))
@@ -47,7 +43,7 @@ def test_the_optimizer_steps_allocations_reach_its_measured_state_and_transient(
     later = step_allocations(sizes, name, impl, first=False, tag=1)
     om = optimizer_memory(sizes, name, impl, device="cuda")
     assert _live(first)[0] == om.state_bytes
-    assert _live_peak(later) == om.step_transient_bytes
+    assert _live(later)[1] == om.step_transient_bytes
     assert all(k[0] in ("sqrt", "denom") for _, k, _ in later)  # no state made after the first step
 
 
@@ -64,7 +60,7 @@ def test_a_steps_allocations_are_the_trackers_bytes_plus_the_cublas_workspaces()
     workspaces = [k for w, k, _ in steps.events if w == "alloc" and isinstance(k, tuple) and k[0] == "cublas workspace"]
     assert sorted(k[1] for k in workspaces) == ["backward", "forward"]
     peak = measure_peak(model, x, fake=True)
-    assert _live_peak(steps.events) == peak + 2 * MiB
+    assert _live(steps.events)[1] == peak + 2 * MiB
     assert [p for p, _ in steps.phases] == ["model", "step1"] and steps.unsupported is None
 
 

@@ -214,6 +214,9 @@ def trace(
     if max_crossing is not None and (isinstance(max_crossing, bool) or not isinstance(max_crossing, int)
                                      or max_crossing < 1):
         raise ValueError(f"max_crossing must be an integer >= 1 (1: single-tensor cuts only), got {max_crossing!r}")
+    if not isinstance(dynamic_shapes, bool):
+        raise ValueError(f"dynamic_shapes must be True (other batch sizes and sequence lengths run the graph) or "
+                         f"False (the example's shapes only), got {dynamic_shapes!r}")
     inputs = check_model_and_inputs(model, example_inputs)
     model, inputs = unmaterialized(model, inputs)  # meta tensors: fakes on a real device
     captured = capture_graph(model, inputs, capture, leaf_modules, dynamic_shapes)

@@ -41,7 +41,8 @@ from .fx import fx_capture
 
 __all__ = ["capture", "Captured", "FRONT_ENDS", "CAPTURE_MODES", "EXPORT_LOGGERS", "module_path", "check_capture_mode"]
 
-FRONT_ENDS: dict[str, Callable[[nn.Module, Inputs, Iterable | None], Captured]] = {
+#: ``front_end(model, inputs, leaf_modules, dynamic_shapes)``
+FRONT_ENDS: dict[str, Callable[[nn.Module, Inputs, Iterable | None, bool], Captured]] = {
     "fx": fx_capture,
     "export": export_capture,
 }
@@ -111,13 +112,11 @@ def _export_notes_hidden():
 
 
 def _capture(model: nn.Module, inputs: Inputs, how: str, leaf_modules, state, dynamic_shapes: bool = True) -> Captured:
-    if how == "export":
-        with _no_partial_graph():
-            return export_capture(model, inputs, leaf_modules, dynamic_shapes)
     if how != "auto":
-        return FRONT_ENDS[how](model, inputs, leaf_modules)
+        with _no_partial_graph() if how == "export" else contextlib.nullcontext():
+            return FRONT_ENDS[how](model, inputs, leaf_modules, dynamic_shapes)
     try:
-        return fx_capture(model, inputs, leaf_modules)
+        return fx_capture(model, inputs, leaf_modules, dynamic_shapes)
     except TraceError as exc:
         if exc.node is None:  # a mistake in the arguments (unknown leaf_modules), not the model
             raise

@@ -459,7 +459,7 @@ def _no_cache(model: nn.Module, notes: list[str]):
 _SLICE_END = (1 << 63) - 1
 
 
-def _whole_slices_as_aliases(gm: fx.GraphModule) -> int:
+def _whole_slices_as_aliases(gm: fx.GraphModule) -> None:
     """Each slice of a whole dimension (start 0, to the end, step 1) replaced by an alias of its input.
 
     Eager indexing returns the tensor itself for such a slice (``x[:, 0:]``, transformers'
@@ -467,11 +467,10 @@ def _whole_slices_as_aliases(gm: fx.GraphModule) -> int:
     fixed shapes records an alias; with dynamic shapes it records ``aten.slice``, whose backward
     allocates a zero tensor of the input's size and copies the gradient into it. As an alias the graph
     computes the same values and its backward passes the gradient on, as the model's does, so a
-    dynamic and a fixed-shape capture allocate alike. Returns how many were replaced."""
+    dynamic and a fixed-shape capture allocate alike."""
     import torch
 
     aten = torch.ops.aten
-    count = 0
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.slice.Tensor or n.kwargs:
             continue
@@ -482,8 +481,6 @@ def _whole_slices_as_aliases(gm: fx.GraphModule) -> int:
             alias.meta = dict(n.meta)
             n.replace_all_uses_with(alias)
             gm.graph.erase_node(n)
-            count += 1
-    return count
 
 
 def _constants_to_root(gm: fx.GraphModule, model: nn.Module) -> None:

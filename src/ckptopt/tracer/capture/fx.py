@@ -63,8 +63,10 @@ def _construct(exc: BaseException) -> str:
     return first
 
 
-def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | type] | None = None) -> Captured:
-    """Trace ``model`` with ``torch.fx`` (``inputs`` are not run here: FX traces symbolically).
+def fx_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str | type] | None = None,
+               dynamic_shapes: bool = True) -> Captured:
+    """Trace ``model`` with ``torch.fx`` (``inputs`` are not run here: FX traces symbolically, so its graph
+    holds no shapes and ``dynamic_shapes`` changes nothing).
 
     Raises
     ------
