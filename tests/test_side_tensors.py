@@ -216,6 +216,22 @@ def test_mask_programs_against_every_plan_with_many_open(c):
     for point in pareto_front(c, None, allow_stored=True):
         assert simulate(c, point.checkpoints, point.stored).peak_bytes == point.peak_bytes
         assert point.recompute == min(x[1] for x in scored if x[0] <= point.peak_bytes)
+        # capped at the point, few states are reached and the segments are scored mask by mask
+        capped = pareto_front(c, point.peak_bytes, allow_stored=True)
+        assert (capped[-1].peak_bytes, capped[-1].recompute) == (point.peak_bytes, point.recompute)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(st.one_of(side_costs(max_n=7), wide_side_costs(max_n=7)))
+def test_auto_is_the_lowest_peak_then_least_recomputation_over_every_plan(c):
+    """``auto`` with side tensors (one pass over plans with stored segments at the lowest
+    checkpoint-only peak): the (peak, recomputation) minimum of every plan, stored segments included,
+    labelled by whether its plan stores a segment."""
+    best = min((simulate(c, p, s).peak_bytes, plan_recompute(c, p, s)) for p, s in plans(c.n))
+    got = solve(c, "auto")
+    assert (simulate(c, got.checkpoints, got.stored).peak_bytes, plan_recompute(c, got.checkpoints, got.stored)) \
+        == (got.peak_bytes, best[1]) and got.peak_bytes == best[0]
+    assert got.solver == ("dp2+stored" if got.stored else "dp2")
 
 
 def _diffusers_unet_costs():

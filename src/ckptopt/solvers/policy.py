@@ -10,7 +10,9 @@ and the planning helpers (through ``solve(costs, "auto", budget)``):
   least recomputation among the plans reaching it; then, where the pass is cheap
   enough (:func:`~ckptopt.solvers.limits.within_tie_break`), plans that also leave
   middle segments unwrapped (:func:`improve_with_stored`): label ``"dp2+stored"``
-  when one has a lower (peak, recomputation).
+  when one has a lower (peak, recomputation). With side tensors the two passes are
+  one (:data:`~ckptopt.solvers.limits.STORED_SIDE_MAX_WORK`), labelled ``"dp2+stored"``
+  when its plan has stored segments.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from ..errors import InfeasibleBudget
 from ..plan import Plan, Solution
 from ..simulator import plan_recompute, simulate
 from .exact import dp2
-from .limits import (AUTO_EXACT_MAX_N, BUDGET_SIDE_BUCKETS, BUDGET_SIDE_MAX_WORK, FRONT_FALLBACK_MAX_N, TIE_BREAK_MAX_WORK,
+from .limits import (AUTO_EXACT_MAX_N, BUDGET_SIDE_BUCKETS, BUDGET_SIDE_MAX_WORK, FRONT_FALLBACK_MAX_N, STORED_SIDE_MAX_WORK,
+                     TIE_BREAK_MAX_WORK,
                      within_tie_break)
 from .linear import linear
 from .pareto import FrontPoint, FrontTooLarge, least_recompute, pareto_front
@@ -95,25 +98,32 @@ def _budget_side(costs: ChainCosts, limit: int) -> Solution:
     return Solution(found[0], None, found[1], label)
 
 
-def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],
-                 peak: int) -> FrontPoint | None:
-    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's."""
-    if costs.is_additive or not within_tie_break(costs.n):
-        return None
+def _lowest_with_stored(costs: ChainCosts, peak: int, max_work: int) -> FrontPoint | None:
+    """The plan, middle segments possibly unwrapped, with the lowest (peak, recomputation) among those
+    peaking at most ``peak`` (a peak some plan reaches); None past ``max_work``."""
     try:
-        front = pareto_front(costs, peak, allow_stored=True, max_work=TIE_BREAK_MAX_WORK)
+        front = pareto_front(costs, peak, allow_stored=True, max_work=max_work)
     except FrontTooLarge:
         return None
-    if not front:  # cannot happen: the given plan itself is within the cap
+    if not front:  # cannot happen: a plan reaches the cap
         return None
     best = front[0]
-    if (best.peak_bytes, best.recompute) >= (peak, plan_recompute(costs, checkpoints, stored)):
-        return None
     if simulate(costs, best.checkpoints, best.stored).peak_bytes != best.peak_bytes:
         raise RuntimeError(
             f"internal error: the stored-segment pass reports a peak of {best.peak_bytes} bytes that the "
             "simulator does not reproduce; please report this with the cost model (ChainCosts.to_json)"
         )
+    return best
+
+
+def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],
+                 peak: int) -> FrontPoint | None:
+    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's."""
+    if costs.is_additive or not within_tie_break(costs.n):
+        return None
+    best = _lowest_with_stored(costs, peak, TIE_BREAK_MAX_WORK)
+    if best is None or (best.peak_bytes, best.recompute) >= (peak, plan_recompute(costs, checkpoints, stored)):
+        return None
     return best
 
 
@@ -142,6 +152,17 @@ def auto(costs: ChainCosts, limit: int | None = None) -> Solution:
         return budget(costs, limit)
     if costs.n > AUTO_EXACT_MAX_N:
         return linear(costs)._replace(label="linear")
+    if costs.has_side and within_tie_break(costs.n):
+        # The program over stored segments at the lowest checkpoint-only peak answers both passes below at
+        # once (its plans include the checkpoint-only ones, so its lowest (peak, recomputation) is at most the
+        # tie-break's); with side tensors it costs about what the two cost apart, so it runs first, with a
+        # larger work limit, and the tie-break runs only if it stops.
+        from .side_tensors import lowest_peak
+
+        best = _lowest_with_stored(costs, lowest_peak(costs)[0] + costs.static, STORED_SIDE_MAX_WORK)
+        if best is not None:
+            return Solution(best.checkpoints, best.peak_bytes, best.stored, "dp2+stored" if best.stored else "dp2")
+        return dp2(costs)._replace(label="dp2")  # (the stored pass alone, with less work allowed, stops too)
     sol = dp2(costs)
     best = _stored_pass(costs, sol.checkpoints, (), sol.optimum)
     if best is None:

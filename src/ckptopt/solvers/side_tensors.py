@@ -501,7 +501,8 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
     stored_offsets, complete)`` as :func:`ckptopt.solvers.pareto.pareto_plans` does.
 
     The segments of one layer's states are scored for every mask at once (:func:`_segment_masks`,
-    kept for a block of masks at a time, at most ``MASK_BUFFER`` values), then each state builds its
+    kept for a block of masks at a time, at most ``MASK_BUFFER`` values) where more of its states are
+    reached within the cap than that costs passes, mask by mask otherwise; then each state builds its
     front from its segments' candidates (:func:`~ckptopt.solvers.fronts.add_suffix_points`,
     :func:`~ckptopt.solvers.fronts.keep_front`); ``work`` counts as mask by mask. Points that no
     plan within the cap can use (above ``cap`` less the least any prefix holds there,
@@ -554,10 +555,17 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
         for flag in range(2):
             if flag and (l == 0 or not allow_stored):
                 continue
+            # every mask at once costs nb + 2 passes per segment, mask by mask one per state reached; at a cap
+            # near the optimum few are (on a Llama of 138 layers, 256 of 7,344 states)
+            nreach = 0
+            for S in range(ns):
+                if not S & unheld[l] and Hmin[off[l] + flag * ns + S] < BIG:
+                    nreach += 1
+            at_once = masks and nreach > nb + 2
             for S in range(ns):
                 st = off[l] + flag * ns + S
                 first[st] = used
-                if masks and S % block == 0:  # the next block of masks: every segment scored for them
+                if at_once and S % block == 0:  # the next block of masks: every segment scored for them
                     if not _score_block(l, flag, S, ns, block, rlast, n, allow_stored, Hmin, st, K, SD, sc, ms, cb, Db,
                                         Hb, Sb):
                         continue  # (no state of the block is reached: all BIG)
@@ -571,7 +579,7 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                     for kind in range(3):
                         if not _takes(kind, r, n, allow_stored):
                             continue
-                        if masks:
+                        if at_once:
                             q = 3 * (r - l) + kind
                             c, D, held, S2 = cb[q], Db[q, S % block], Hb[q, S % block], Sb[q, S % block]
                         else:
