@@ -683,9 +683,11 @@ def fast_frontier_eager(r: Results) -> str:
              "machine, so a ratio within about 2% of 1 does not tell the two apart. Where ckptopt is slower at a "
              "selective-checkpointing peak, `docs/design.md` §1 (\"What the plan space does not have yet\") says "
              "which products its plan re-runs and the action that would keep their outputs."]
+    every_row = []
     for name in EAGER_FRONTIER:
         rel = f"frontier/eager-{name}.json"
         d = r(rel)
+        every_row += d["rows"]
         m = meta_of(d)
         load = (f"load before `{m.get('load_before', '?').split('load average:')[-1].strip()}`, after "
                 f"`{m.get('load_after', '?').split('load average:')[-1].strip()}`")
@@ -700,6 +702,13 @@ def fast_frontier_eager(r: Results) -> str:
                              f"{_ratio(nothing['peak_vs_none'])}, step time {times(nothing['time_vs_none'])} of the "
                              "model's own.")
         parts.append(source(r, rel))
+    line = _time_prediction(every_row)
+    slow = sorted({x["model"] for x in every_row  # a plan that recomputes faster than the plain step
+                   if x.get("family") != "none" and x.get("time_vs_none", 1.0) < 0.97})
+    parts.append("Over the four runs: " + line[0].lower() + line[1:] + " Each ratio is against the same run's "
+                 "plain step" + (f"; in {', '.join(slow)} a checkpointing method measured more than 3% faster than "
+                                 "the plain step, so that plain median is high and the run's predictions are over "
+                                 "together" if slow else "") + ".")
     return block(*parts)
 
 
