@@ -60,18 +60,25 @@ def _side_context(costs: ChainCosts) -> tuple:
             costs.has_side)
 
 
+def tie_break(costs: ChainCosts, value: int) -> Solution | None:
+    """Among the checkpoint-only plans reaching the optimum ``value`` (static excluded), the one with the
+    least recomputation; None where the pass is not run (``within_tie_break``) or stops at its work limit
+    (``TIE_BREAK_MAX_WORK``: too many trade-offs within the optimum)."""
+    if not within_tie_break(costs.n):
+        return None
+    try:
+        best = least_recompute(costs, int(value) + costs.static, allow_stored=False, max_work=TIE_BREAK_MAX_WORK)
+    except FrontTooLarge:
+        return None
+    # (None cannot happen: the first pass's plan reaches the optimum)
+    return None if best is None else Solution(best[0], int(value) + costs.static)
+
+
 def _fewest_recomputed(costs: ChainCosts, value: int, plan) -> Solution:
-    """Among the plans reaching the optimum ``value`` (static excluded), the least recomputation."""
-    best = None
-    if within_tie_break(costs.n):
-        try:
-            best = least_recompute(costs, int(value) + costs.static, allow_stored=False,
-                                   max_work=TIE_BREAK_MAX_WORK)
-        except FrontTooLarge:
-            pass  # too many trade-offs within the optimum: keep the first pass's plan
-    if best is None:  # (None cannot happen otherwise: the solver's own plan reaches the optimum)
-        return Solution(tuple(int(x) for x in plan), int(value) + costs.static)
-    return Solution(best[0], int(value) + costs.static)
+    """Among the plans reaching the optimum ``value`` (static excluded), the least recomputation
+    (:func:`tie_break`), or ``plan`` where that pass does not answer."""
+    best = tie_break(costs, value)
+    return best if best is not None else Solution(tuple(int(x) for x in plan), int(value) + costs.static)
 
 
 def dp(costs: ChainCosts) -> Solution:
