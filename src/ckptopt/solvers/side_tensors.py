@@ -557,11 +557,7 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                 continue
             # every mask at once costs nb + 2 passes per segment, mask by mask one per state reached; at a cap
             # near the optimum few are (on a Llama of 138 layers, 256 of 7,344 states)
-            nreach = 0
-            for S in range(ns):
-                if not S & unheld[l] and Hmin[off[l] + flag * ns + S] < BIG:
-                    nreach += 1
-            at_once = masks and nreach > nb + 2
+            at_once = masks and _reached(Hmin, off[l] + flag * ns, ns, unheld[l]) > nb + 2
             for S in range(ns):
                 st = off[l] + flag * ns + S
                 first[st] = used
@@ -613,6 +609,16 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                 count[st] = used - first[st]
     peaks, recs, flat, offsets, sflat, soffsets = front_plans(pool, first[off[0]], count[off[0]], n)
     return peaks, recs, flat, offsets, sflat, soffsets, True
+
+
+@njit(cache=True)
+def _reached(Hmin, st0, ns, unheld):
+    """How many of the ``ns`` states from ``st0`` (one layer and flag) a plan within the cap reaches."""
+    count = 0
+    for S in range(ns):
+        if not S & unheld and Hmin[st0 + S] < BIG:
+            count += 1
+    return count
 
 
 @njit(cache=True)
