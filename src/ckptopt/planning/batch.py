@@ -216,6 +216,11 @@ class BatchCosts:
             self.traces += 1
         return self._traced[batch]
 
+    def first_traced(self):
+        """The first :class:`~ckptopt.TracedModel` traced (the graph and its cuts are alike at every batch:
+        what the rewriter needs to apply a plan at any batch)."""
+        return self._traced[next(iter(self._traced))]
+
     def interpolated(self, batch: int) -> ChainCosts:
         """The affine model's costs at ``batch``."""
         icpt, slope = self._fit
@@ -268,8 +273,7 @@ class BatchCosts:
                              f"parallel=Parallel(..., mixed_precision={getattr(parallel, 'mixed_precision', None)!r})")
         other = copy.copy(self)
         other.parallel = parallel
-        other.sizes = rank_costs(self.traced(next(iter(self._traced))).costs, self.facts, self.param_bytes,
-                                 parallel).sizes
+        other.sizes = rank_costs(self.first_traced().costs, self.facts, self.param_bytes, parallel).sizes
         return other
 
     def rank(self, batch: int, trace: bool = False, costs: ChainCosts | None = None) -> RankCosts:
@@ -535,7 +539,7 @@ def replayed_fit(bc: BatchCosts, strategy: str, memory: int, opt: OptimizerMemor
 
     expandable, rules, _ = allocator_settings()
     seen: dict[int, tuple[bool, int, int]] = {}  # batch -> (fits, reserved peak under memory, without a limit)
-    graph = next(iter(bc._traced.values()))  # (the rewriter needs a graph and its cuts: alike at every batch)
+    graph = bc.first_traced()
 
     peaks: dict[int, int] = {}
 
