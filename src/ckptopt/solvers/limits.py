@@ -29,7 +29,8 @@ DP_ROUTINE_MAX_N = 2_000
 AUTO_EXACT_MAX_N = 15_000
 
 #: Work limit (candidate points generated) of the least-recompute tie-break of dp/dp2 and of
-#: the default plan's stored-segment pass: about 0.1-0.4 s; the zoo models need a few thousand.
+#: the default plan's stored-segment pass (without side tensors: :data:`STORED_SIDE_MAX_WORK` with them):
+#: about 0.1-0.4 s; the zoo models need a few thousand.
 TIE_BREAK_MAX_WORK = 2_000_000
 
 #: ``solver="auto"`` on a model with side tensors: work limit of the stored-segment pass, which runs where
