@@ -707,8 +707,8 @@ def fast_frontier_eager(r: Results) -> str:
                    if x.get("family") != "none" and x.get("time_vs_none", 1.0) < 0.97})
     parts.append("Over the four runs: " + line[0].lower() + line[1:] + " Each ratio is against the same run's "
                  "plain step" + (f"; in {', '.join(slow)} a checkpointing method measured more than 3% faster than "
-                                 "the plain step, so that plain median is high and the run's predictions are over "
-                                 "together" if slow else "") + ".")
+                                 "the plain step, a sign that the run's plain median is high, which moves its "
+                                 "predictions over together" if slow else "") + ".")
     return block(*parts)
 
 
