@@ -457,6 +457,8 @@ def _no_cache(model: nn.Module, notes: list[str]):
 
 #: ``aten.slice`` "to the end": Python's ``x[a:]`` passes the largest int64 as the end
 _SLICE_END = (1 << 63) - 1
+#: ``aten.slice.Tensor(self, dim=0, start=None, end=None, step=1)``: the defaults of the arguments a call omits
+_SLICE_DEFAULTS = (None, 0, None, None, 1)
 
 
 def _whole_slices_as_aliases(gm: fx.GraphModule) -> None:
@@ -474,7 +476,7 @@ def _whole_slices_as_aliases(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.slice.Tensor or n.kwargs:
             continue
-        x, dim, start, end, step = (list(n.args) + [0, None, None, 1][len(n.args) - 1:])[:5]
+        x, dim, start, end, step = [*n.args, *_SLICE_DEFAULTS[len(n.args):]]
         if start in (0, None) and (end is None or (isinstance(end, int) and end >= _SLICE_END)) and step == 1:
             with gm.graph.inserting_before(n):
                 alias = gm.graph.call_function(aten.alias.default, (x,))
