@@ -57,6 +57,7 @@ from ...torch_utils import Inputs, inspected_by_type, is_fake
 from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
 from .functions import functions_note, opaque_functions
+from .opaque import NotOpaque, culprit, eligible, example_calls, opaque_modules, opaque_note, parent_of, profile
 from .packing import PACKING_NOTE, check_packing, eager_packing
 
 __all__ = ["export_capture"]
@@ -137,8 +138,13 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     leaf_paths(model, leaf_modules)  # (a misnamed leaf is the arguments' mistake: before exporting)
     inputs, ones = _without_ones_mask(model, inputs, notes)
     target = _named_call(model, inputs)
-    with _no_cache(model, notes), opaque_functions(), idle_module_to():
-        ep, dynamic = _export(target, model, inputs, notes, dynamic_shapes)
+    with _no_cache(model, notes), idle_module_to():
+        with opaque_functions():
+            ep, dynamic, made = _export_past_values(target, model, inputs, notes, dynamic_shapes)
+        for call in made:
+            profile(call)
+    if made:
+        notes.append(opaque_note(made))
     gm = ep.module(check_guards=False)
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm.graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output; the specs are kept
@@ -229,6 +235,70 @@ def _without_ones_mask(model: nn.Module, inputs: Inputs, notes: list[str]) -> tu
     notes.append("the example's attention_mask is all ones (no padding): captured without it, as transformers "
                  "runs such a batch eagerly (no mask built or saved); a batch that pads is planned on first sight")
     return Inputs(inputs.args, {k: v for k, v in inputs.kwargs.items() if k != "attention_mask"}), True
+
+
+#: How many kinds of submodule a capture may run as one op each before it gives up.
+OPAQUE_ROUNDS = 12
+
+
+def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str],
+                        dynamic_shapes: bool) -> tuple[Any, bool, list]:
+    """:func:`_export`, and where it stops on a submodule whose forward reads a tensor's value, again
+    with that submodule run as one op (:mod:`.opaque`): ``(program, dynamic, the opaque calls)``.
+
+    The submodule is the innermost one on the failure's stack; every submodule of its class goes
+    with it (the decoder layers of a model branch alike), or its parent where it cannot be one op
+    (it returns a Python value). Such a capture is at the example's shapes, and needs the real
+    weights (the submodules run on the example batch); otherwise the first error stands."""
+    from ...torch_utils import data_dependent_construct
+
+    try:
+        ep, dynamic = _export(target, model, inputs, notes, dynamic_shapes)
+        return ep, dynamic, []
+    except TraceError as error:
+        first = error
+    if data_dependent_construct(first) is None or any(
+            t.is_meta for t in (*model.parameters(), *inputs.tensors())):
+        raise first
+    kinds: list[nn.Module] = []  # one submodule of each class run as one op
+    last: TraceError = first
+    found = culprit(first, model)
+    for _ in range(OPAQUE_ROUNDS):
+        if found is None:
+            raise last
+        kinds = [k for k in kinds if type(k) is not type(found)] + [found]
+        chosen = [m for m in model.modules() if any(type(m) is type(k) for k in kinds)]
+        try:
+            why = eligible(found)
+            if why is not None:
+                raise NotOpaque(why, found)
+            examples = example_calls(target, tuple(inputs.args), dict(inputs.kwargs), chosen)
+            tried: list[str] = []
+            with opaque_modules(model, examples) as made:
+                ep, dynamic = _export(target, model, inputs, tried, dynamic_shapes=False)
+            notes.extend(tried)
+            return ep, dynamic, made
+        except (NotOpaque, TraceError) as error:
+            refused = _cause_of(error, NotOpaque)
+            if refused is not None:  # it cannot be one op: its parent instead
+                kinds = [k for k in kinds if type(k) is not type(refused.module)]
+                found = parent_of(refused.module, model)
+                continue
+            if data_dependent_construct(error) is None:
+                raise first from None
+            last, found = error, culprit(error, model)
+    raise last
+
+
+def _cause_of(exc: BaseException, kind: type) -> BaseException | None:
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str],
@@ -476,7 +546,7 @@ def _whole_slices_as_aliases(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.slice.Tensor or n.kwargs:
             continue
-        x, dim, start, end, step = [*n.args, *_SLICE_DEFAULTS[len(n.args):]]
+        x, _dim, start, end, step = [*n.args, *_SLICE_DEFAULTS[len(n.args):]]
         if start in (0, None) and (end is None or (isinstance(end, int) and end >= _SLICE_END)) and step == 1:
             with gm.graph.inserting_before(n):
                 alias = gm.graph.call_function(aten.alias.default, (x,))

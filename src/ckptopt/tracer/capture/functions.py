@@ -57,6 +57,8 @@ def functions_note(gm: Any) -> str | None:
     for n in gm.graph.nodes:
         if n.op == "call_function" and is_opaque_function(n.target):
             cls = getattr(n.target, "_ckptopt_function", None) or _classes.get(n.target._opname)
+            if cls is not None and cls.__module__ == __name__.rpartition(".")[0] + ".opaque":
+                continue  # a submodule run as one op: named in a note of its own
             name = cls.__qualname__ if cls is not None else str(n.target)
             if name not in names:
                 names.append(name)
@@ -119,7 +121,9 @@ class _Call:
         """The Function itself (autograd records its own backward)."""
         _state.inside = getattr(_state, "inside", 0) + 1
         try:
-            return self.flatten(_ORIGINAL_APPLY(self.cls, *self.args(list(tensors))))
+            apply = getattr(self.cls, "ckptopt_apply", None)  # (a class of ckptopt's own applies itself)
+            args = self.args(list(tensors))
+            return self.flatten(apply(*args) if apply is not None else _ORIGINAL_APPLY(self.cls, *args))
         finally:
             _state.inside -= 1
 

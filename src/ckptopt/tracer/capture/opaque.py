@@ -1,0 +1,519 @@
+"""Submodules that read a tensor's value, kept as one op measured by running them.
+
+``torch.export`` follows a forward on fake tensors, which carry shapes but no values, so a
+submodule whose forward branches on a value (LayerDrop's ``if torch.rand([]) < p``, an MoE
+router's ``.tolist()``, an ``assert`` on activations) stops the whole capture. Such a
+submodule becomes one op of the graph instead (:class:`OpaqueModule`, kept whole by
+:mod:`.functions`), and the rest of the model is captured as usual:
+
+* **Run time.** The op's kernel runs the submodule's own forward on the op's inputs, with the
+  submodule's parameters (op inputs too) swapped in, and autograd records it as it records the
+  unmodified model: the backward is the submodule's own graph, in the same backward pass as
+  the rest of the model (so a checkpoint around the op recomputes it once, and hooks see plain
+  autograd). The submodule's ops, random draws and saved tensors are exactly those of the
+  unmodified model. An output that aliases an input is returned as a copy (an op's outputs
+  alias nothing); the copy is part of what is measured.
+* **Measurement.** On fake tensors the op cannot run the submodule, so it replays what the
+  submodule did on the example batch, measured once on real tensors with the exact storage
+  tracker (:func:`profile`): the outputs' shapes, the forward's high point, the storages its
+  graph keeps (and which inputs and outputs it saves), and the backward's high point. The
+  figures hold for the example's shapes (the capture is at those shapes; another shape is
+  another capture, measured on its own batch) and, where the submodule draws random numbers
+  (LayerDrop), for the draws the example made. Measured against the model's step: to the byte
+  where the submodule's parameters are its own; where a parameter it uses is also used outside
+  it (a tied embedding), the replay makes all its gradients at the end of its backward, when
+  the model makes them one at a time, and the accumulation into the shared parameter is priced
+  a little high (0.8% of the step on a 2-layer M2M100).
+
+A submodule qualifies when every output is a tensor or None (a Python value it computed
+from data would be frozen into the graph), it updates no running statistics (a
+recomputation would update them twice), and its parameters are plain tensors.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ...storages import storage_identity
+from ...torch_utils import is_fake
+
+__all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible",
+           "example_calls", "profile", "opaque_note"]
+
+
+@dataclass
+class Profile:
+    """What one call of the submodule did on the example batch, in bytes above its start.
+
+    ``forward_peak``: the forward's high point (outputs and kept storages included); ``kept``:
+    sizes of the storages the forward leaves behind other than its inputs and outputs (its
+    graph's saved tensors); ``saved_inputs``/``saved_outputs``: positions of the op's inputs and
+    outputs its graph saves; ``backward_peak``: the backward's high point above its start (the
+    kept storages counted at the start); ``grads_for``: the op inputs that got a gradient."""
+
+    forward_peak: int
+    kept: list[int]
+    saved_inputs: tuple[int, ...]
+    saved_outputs: tuple[int, ...]
+    backward_peak: int
+    grads_for: tuple[int, ...]
+
+
+@dataclass
+class _Leaf:
+    """How an output sits in its storage: ``group`` (outputs sharing a storage share a group),
+    the group's bytes, and the view."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    offset: int
+    group: int
+    group_bytes: int
+
+
+@dataclass(eq=False)
+class OpaqueCall:
+    """One call of a submodule, its non-tensor arguments fixed; the op's inputs are the call's
+    tensors followed by the submodule's parameters."""
+
+    module: nn.Module
+    path: str
+    in_spec: Any
+    template: list  # the call's pytree leaves, tensors replaced by None
+    slots: list[int]  # positions of the tensor leaves in ``template``
+    shapes: list[tuple[int, ...]]  # of the call's tensors, as captured
+    param_names: list[str]
+    out_spec: Any
+    out_template: list  # the output's pytree leaves, tensors replaced by None
+    out_slots: list[int]
+    out_leaves: list[_Leaf]
+    example: list[torch.Tensor] | None = None  # the call's tensors on the example batch (until profiled)
+    rng: Any = None  # the random number generators' states at the example's call
+    profile: Profile | None = None
+    random: bool = False  # whether the example's call drew random numbers
+    needs_grad: list[bool] = field(default_factory=list)  # of the call's tensors, as captured
+
+    # -- run time -------------------------------------------------------------------------------
+    def run(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The submodule's own forward on the op's inputs, recorded by autograd as the unmodified model
+        records it (the op's autograd kernel: its backward is the submodule's graph, in the same
+        backward pass as the rest of the model)."""
+        n = len(self.slots)
+        args, kwargs = self.arguments(tensors[:n])
+        out = torch.func.functional_call(self.module, dict(zip(self.param_names, tensors[n:])), tuple(args),
+                                         kwargs, tie_weights=False)
+        flat, spec = pytree.tree_flatten(out)
+        if spec != self.out_spec:
+            raise RuntimeError(f"ckptopt: the submodule {self.path}, run as one op, returned another structure "
+                               "than on the example batch; plan again with this batch")
+        given = {storage_identity(t) for t in tensors if t.numel()}
+        return [o.clone() if o.numel() and storage_identity(o) in given else o
+                for o in (flat[i] for i in self.out_slots)]
+
+    def arguments(self, tensors: list) -> tuple[list, dict]:
+        leaves = list(self.template)
+        for i, t in zip(self.slots, tensors):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
+        return list(args), dict(kwargs)
+
+    def rebuild(self, outs: Any) -> Any:
+        leaves = list(self.out_template)
+        for i, t in zip(self.out_slots, outs):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+    # -- on fake tensors --------------------------------------------------------------------------
+    @property
+    def n_inputs(self) -> int:
+        return len(self.slots) + len(self.param_names)
+
+    def replay(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The forward's memory on fake tensors as the example's call used it: ``(outputs, the
+        storages its graph keeps)``; before the call is profiled (while exporting), outputs only."""
+        for t, want in zip(tensors, self.shapes):
+            if tuple(t.shape) != tuple(want):
+                raise RuntimeError(f"ckptopt: the submodule {self.path}, run as one op, is called with shape "
+                                   f"{tuple(t.shape)}; it was measured at {tuple(want)}")
+        device = tensors[0].device if tensors else torch.device("cpu")
+        p = self.profile
+        kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept] if p else []
+        buffers: dict[int, torch.Tensor] = {}
+        outs = []
+        for leaf in self.out_leaves:
+            if leaf.group not in buffers:
+                buffers[leaf.group] = torch.empty(leaf.group_bytes, dtype=torch.uint8, device=device)
+            outs.append(_view(buffers[leaf.group], leaf))
+        if p is None:
+            return outs, []
+        _touch(p.forward_peak - sum(p.kept) - sum(b.numel() for b in buffers.values()), device)
+        return outs, kept + [tensors[i] for i in p.saved_inputs] + [outs[i] for i in p.saved_outputs]
+
+
+def _view(buffer: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
+    size = torch.empty((), dtype=leaf.dtype).element_size()
+    whole = buffer[: buffer.numel() // size * size].view(leaf.dtype)
+    return whole.as_strided(leaf.shape, leaf.stride, leaf.offset)
+
+
+def _touch(nbytes: int, device: torch.device) -> None:
+    """Allocate ``nbytes`` and let them go (a high point the replay reaches)."""
+    if nbytes > 0:
+        torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class OpaqueModule(torch.autograd.Function):
+    """The class :mod:`.functions` keeps whole as one op per :class:`OpaqueCall`; the op's kernel calls
+    :meth:`ckptopt_apply`. On real tensors it runs the submodule itself (:meth:`OpaqueCall.run`).
+    On fake tensors it replays the call's measured memory with two nodes: :class:`_ReplayOutputs`
+    saves the kept storages (so the tracer's pack hooks see them) and reaches the backward's high
+    point; autograd lets its saved storages go when it returns, and only then
+    :class:`_ReplayGradients` makes the input and parameter gradients, as the submodule's own
+    backward freed what it saved while it made them."""
+
+    @staticmethod
+    def ckptopt_apply(call: OpaqueCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if any(is_fake(t) or t.is_meta for t in tensors):
+            token = _ReplayGradients.apply(call, *tensors)
+            return _ReplayOutputs.apply(call, token, *tensors)
+        return tuple(call.run(list(tensors)))
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> Any:
+        raise RuntimeError("ckptopt: OpaqueModule is applied through its op (ckptopt_apply)")
+
+
+class _Seed(torch.autograd.Function):
+    """A root whose backward hands each output a gradient of ones that autograd owns (and frees once
+    used), as the model's backward hands the submodule its outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.like = [(o.shape, o.dtype, o.device) for o in outs]
+        return torch.zeros((), device=outs[0].device)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+
+
+def _quiet(ctx: Any, outs: list[torch.Tensor]) -> None:
+    quiet = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+    if quiet:
+        ctx.mark_non_differentiable(*quiet)
+
+
+class _ReplayGradients(torch.autograd.Function):
+    """The replay's node next to the inputs: its backward makes the gradients the call made."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpaqueCall, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.call, ctx.like = call, tensors
+        return torch.empty(0, device=tensors[0].device)  # (no storage: nothing to count)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple:
+        p = ctx.call.profile
+        result: list[torch.Tensor | None] = [None] * len(ctx.like)
+        for k in p.grads_for if p is not None else ():
+            if ctx.needs_input_grad[k + 1]:
+                result[k] = torch.empty_like(ctx.like[k])
+        return (None, *result)
+
+
+class _ReplayOutputs(torch.autograd.Function):
+    """The replay's node next to the outputs: the forward's outputs, kept storages and high point."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpaqueCall, token: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.device = call, token.device
+        outs, held = call.replay(list(tensors))
+        ctx.save_for_backward(*held)
+        _quiet(ctx, outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        p = ctx.call.profile
+        held = ctx.saved_tensors  # (read, as the submodule's backward reads what its graph saved)
+        _touch(p.backward_peak if p is not None else 0, ctx.device)
+        del held
+        return (None, torch.empty(0, device=ctx.device), *([None] * ctx.call.n_inputs))
+
+
+# -- which submodule, and its example calls ---------------------------------------------------------
+class NotOpaque(Exception):
+    """``module`` cannot be one op (the message says why)."""
+
+    def __init__(self, why: str, module: nn.Module | None = None):
+        super().__init__(why)
+        self.module = module
+
+
+def culprit(exc: BaseException, model: nn.Module) -> nn.Module | None:
+    """The innermost submodule of ``model`` (not the model itself) whose method is on the stack of
+    ``exc`` or of an exception in its chain."""
+    inside = {id(m): m for m in model.modules() if m is not model}
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        found, tb = None, e.__traceback__
+        while tb is not None:
+            s = tb.tb_frame.f_locals.get("self")
+            if isinstance(s, nn.Module) and id(s) in inside:
+                found = s
+            tb = tb.tb_next
+        if found is not None:
+            return found
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def parent_of(module: nn.Module, model: nn.Module) -> nn.Module | None:
+    """The nearest submodule of ``model`` that holds ``module`` and is called (not a ModuleList), or
+    None when that is the model itself."""
+    path = {m: name for name, m in model.named_modules(remove_duplicate=False)}.get(module)
+    while path:
+        path = path.rpartition(".")[0]
+        if not path:
+            return None
+        parent = model.get_submodule(path)
+        if type(parent).forward is not nn.Module.forward:  # (ModuleList, ModuleDict: never called)
+            return parent
+    return None
+
+
+def eligible(module: nn.Module) -> str | None:
+    """Why ``module`` cannot run as one op, or None."""
+    for m in module.modules():
+        if getattr(m, "track_running_stats", False) and m.training:
+            return f"{type(m).__name__} updates running statistics (a recomputation would update them twice)"
+    for name, p in module.named_parameters():
+        if type(p) not in (torch.Tensor, nn.Parameter):
+            return f"its parameter {name} is a {type(p).__name__}"
+    return None
+
+
+@dataclass
+class _Example:
+    """One call of a submodule on the example batch."""
+
+    args: tuple
+    kwargs: dict
+    out_spec: Any
+    out_slots: list[int]
+    out_leaves: list[_Leaf]
+    rng: Any
+    random: bool
+
+
+def _rng_state(devices: list[int]) -> tuple:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def _set_rng_state(state: tuple, devices: list[int]) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(devices, state[1]):
+        torch.cuda.set_rng_state(s, d)
+
+
+def _cuda_devices(tensors: Any) -> list[int]:
+    return sorted({t.device.index or 0 for t in pytree.tree_leaves(tensors)
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+
+
+def _layout(outs: list[torch.Tensor], given: set[int]) -> list[_Leaf]:
+    """Each output's place in memory as the op returns it: outputs sharing a storage share a group,
+    and one that aliases an input is a contiguous copy (:meth:`OpaqueCall.run`)."""
+    groups: dict[int, int] = {}
+    leaves = []
+    for o in outs:
+        key = storage_identity(o) if o.numel() else None
+        if key is None or key in given:
+            group = -1 - len(leaves)  # a storage of its own
+            nbytes = o.numel() * o.element_size()
+            leaves.append(_Leaf(tuple(o.shape), o.dtype, tuple(torch.empty(o.shape).stride()), 0, group, nbytes))
+            continue
+        group = groups.setdefault(key, len(groups))
+        leaves.append(_Leaf(tuple(o.shape), o.dtype, tuple(o.stride()), o.storage_offset(), group,
+                            o.untyped_storage().nbytes()))
+    return leaves
+
+
+def _frozen(obj: Any) -> Any:
+    return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, obj)
+
+
+def example_calls(target: nn.Module, call_args: tuple, call_kwargs: dict,
+                  modules: list[nn.Module]) -> dict[nn.Module, list[_Example]]:
+    """Run ``target`` once on the example (no gradients, the caller's random state left as it was)
+    and keep each call of ``modules``: its arguments, output and the random state it started from.
+
+    Raises :class:`NotOpaque` when one of them returns something other than tensors or None."""
+    devices = _cuda_devices((call_args, call_kwargs))
+    calls: dict[nn.Module, list[_Example]] = {m: [] for m in modules}
+    starts: dict[nn.Module, Any] = {}
+    handles = []
+
+    def before(module, args, kwargs):
+        starts[module] = (_frozen(args), _frozen(kwargs), _rng_state(devices))
+
+    def after(module, args, kwargs, out):
+        flat, spec = pytree.tree_flatten(out)
+        bad = sorted({type(x).__name__ for x in flat if x is not None and not isinstance(x, torch.Tensor)})
+        if bad:
+            raise NotOpaque(f"{type(module).__name__} returns {', '.join(bad)} beside tensors", module)
+        a, k, rng = starts.pop(module)
+        given = {storage_identity(t) for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters())
+                 if isinstance(t, torch.Tensor) and t.numel()}
+        slots = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+        calls[module].append(_Example(a, k, spec, slots, _layout([x for x in flat if isinstance(x, torch.Tensor)], given),
+                                      rng, not _state_equal(_rng_state(devices), rng)))
+
+    for m in modules:
+        handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(m.register_forward_hook(after, with_kwargs=True))
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            target(*call_args, **call_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _state_equal(a: Any, b: Any) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@contextmanager
+def opaque_modules(model: nn.Module, examples: dict[nn.Module, list[_Example]]) -> Iterator[list[OpaqueCall]]:
+    """While active, each call of these submodules is one :class:`OpaqueModule` op (the k-th call is
+    measured on the k-th call of the example); yields the calls made, to :func:`profile` after capture."""
+    made: list[OpaqueCall] = []
+    paths = {m: name for name, m in model.named_modules(remove_duplicate=False)}
+    counts = dict.fromkeys(examples, 0)
+    had = {m: m.__dict__.get("forward") for m in examples}
+
+    def opaque_forward(module: nn.Module):
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            k = counts[module]
+            counts[module] += 1
+            seen = examples[module]
+            if k >= len(seen):
+                raise NotOpaque(f"{paths[module]} runs more often while capturing than on the example", module)
+            example = seen[k]
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            known, known_spec = pytree.tree_flatten((example.args, example.kwargs))
+            if known_spec != spec:
+                raise NotOpaque(f"{paths[module]} is called with other arguments while capturing", module)
+            symbolic = [type(x).__name__ for x in flat if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+            if symbolic:  # (a value its caller read from a tensor: it would be frozen into the op)
+                raise NotOpaque(f"{paths[module]} is called with a {symbolic[0]}", module)
+            slots = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+            names = [n for n, _ in module.named_parameters()]
+            call = OpaqueCall(module, paths[module], spec, [None if i in slots else x for i, x in enumerate(flat)],
+                              slots, [tuple(flat[i].shape) for i in slots], names, example.out_spec,
+                              [None] * example.out_spec.num_leaves,
+                              example.out_slots, example.out_leaves, example=[known[i] for i in slots], rng=example.rng,
+                              random=example.random, needs_grad=[flat[i].requires_grad for i in slots])
+            made.append(call)
+            outs = OpaqueModule.apply(call, *(flat[i] for i in slots), *(p for _, p in module.named_parameters()))
+            return call.rebuild(outs)
+        return forward
+
+    def new_pass(*_: Any) -> None:  # each export attempt runs the model's forward from the start
+        counts.update(dict.fromkeys(counts, 0))
+        made.clear()
+
+    for m in examples:
+        m.forward = opaque_forward(m)
+    handle = model.register_forward_pre_hook(new_pass)
+    try:
+        yield made
+    finally:
+        handle.remove()
+        for m, f in had.items():
+            if f is None:
+                del m.forward
+            else:
+                m.forward = f
+
+
+def profile(call: OpaqueCall) -> None:
+    """Measure ``call`` once on its example (the exact storage tracker; the example's random state):
+    sets ``call.profile`` and lets the example go."""
+    from ...tracker import StorageTracker
+
+    params = [p for _, p in call.module.named_parameters()]
+    given = [t.detach().requires_grad_(need) if need else t for t, need in zip(call.example, call.needs_grad)]
+    tensors = [*given, *params]
+    devices = _cuda_devices(tensors)
+    tracker = StorageTracker()
+    tracker.register(tensors, call.module)
+    before = set(tracker.storages)
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel():
+            saved.add(storage_identity(t))
+        return t
+
+    try:
+        with torch.random.fork_rng(devices=devices):
+            _set_rng_state(call.rng, devices)
+            start = tracker.current_bytes
+            tracker.reset_peak()
+            with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                outs = call.run(tensors)
+            forward_peak = tracker.peak_bytes - start
+            out_keys = {storage_identity(o) for o in outs if o.numel()}
+            kept = [b for key, b in tracker.storages.items() if key not in before and key not in out_keys]
+            saved_inputs = tuple(k for k, t in enumerate(tensors) if t.numel() and storage_identity(t) in saved)
+            saved_outputs = tuple(k for k, o in enumerate(outs) if o.numel() and storage_identity(o) in saved)
+            roots = [o for o in outs if o.requires_grad]
+            wrt = [(k, t) for k, t in enumerate(tensors) if t.requires_grad]
+            seed = _Seed.apply(*roots) if roots and wrt else None
+            grads = sum(o.numel() * o.element_size() for o in roots)
+            del outs, roots
+            start = tracker.current_bytes + grads  # (the replay's backward starts with its outputs' gradients)
+            tracker.reset_peak()
+            with tracker:
+                got = (torch.autograd.grad(seed, [t for _, t in wrt], torch.ones_like(seed), allow_unused=True)
+                       if seed is not None else [None] * len(wrt))
+                del seed
+            backward_peak = tracker.peak_bytes - start
+            result = [None] * len(tensors)
+            for (k, _), g in zip(wrt, got):
+                result[k] = g
+    finally:
+        tracker.detach()
+    call.profile = Profile(forward_peak, kept, saved_inputs, saved_outputs, backward_peak,
+                           tuple(k for k, g in enumerate(result) if g is not None))
+    call.example = None
+
+
+def opaque_note(calls: list[OpaqueCall]) -> str | None:
+    """A line for ``explain()`` naming the submodules run as one op, or None."""
+    if not calls:
+        return None
+    paths = list(dict.fromkeys(c.path for c in calls))
+    drawn = list(dict.fromkeys(c.path for c in calls if c.random))
+    text = (f"run as one op each, measured by running them on the example batch (their forward reads a "
+            f"tensor's value, which a capture on fake tensors cannot follow): {', '.join(paths)}")
+    text += "; nothing inside them is checkpointed on its own"
+    if drawn:
+        text += (f"; {', '.join(drawn)} draw random numbers (LayerDrop): the figures hold for the draws the "
+                 "example made, and a step that draws otherwise (drops another layer) peaks otherwise; to plan "
+                 "inside them, turn the random skip off (config.layerdrop=0, encoder_layerdrop=0, "
+                 "decoder_layerdrop=0)")
+    return text
