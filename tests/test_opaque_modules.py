@@ -24,11 +24,14 @@ class Gate(nn.Module):
         super().__init__()
         self.lin = nn.Linear(D, 2 * D)
         self.back = nn.Linear(2 * D, D)
+        self.spare = nn.Linear(2 * D, 2 * D)  # (the branch the example does not take: no gradient)
 
     def forward(self, x):
         h = torch.relu(self.lin(x))
         if h.sum() > 0:
             h = h * 2
+        else:
+            h = self.spare(h)
         return self.back(torch.tanh(h)), h.mean(dim=-1)
 
 
@@ -79,12 +82,14 @@ class Net(nn.Module):
         self.mid = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
         self.drop = LayerDrop(p=p)
         self.uses = Uses() if with_counted else nn.Identity()
+        self.last = Gate()  # (late in the forward: its gradients exist while most of the backward runs)
         self.out = nn.Linear(D, D)
 
     def forward(self, x):
         h, aux = self.gate(torch.tanh(self.inp(x)))
         h = self.mid(h) + aux.unsqueeze(-1)
-        return self.out(self.uses(self.drop(h)))
+        h, _ = self.last(self.uses(self.drop(h)))
+        return self.out(h)
 
 
 def _step(model, x, seed):

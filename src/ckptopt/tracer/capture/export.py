@@ -43,6 +43,7 @@ all (``float()`` of a buffer is data-dependent).
 from __future__ import annotations
 
 import inspect
+import operator
 from contextlib import contextmanager
 from typing import Any, Iterable
 
@@ -56,7 +57,7 @@ from ...fake import device_meta_kernels, idle_module_to
 from ...torch_utils import Inputs, inspected_by_type, is_fake
 from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
-from .functions import functions_note, opaque_functions
+from .functions import functions_note, op_name_applying, opaque_functions
 from .opaque import NotOpaque, culprit, eligible, example_calls, opaque_modules, opaque_note, parent_of, profile
 from .packing import PACKING_NOTE, check_packing, eager_packing
 
@@ -142,6 +143,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
         with opaque_functions():
             ep, dynamic, made = _export_past_values(target, model, inputs, notes, dynamic_shapes)
         for call in made:
+            call.used = _used_outputs(ep.graph, op_name_applying(call))
             profile(call)
     if made:
         notes.append(opaque_note(made))
@@ -288,6 +290,15 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
                 raise first from None
             last, found = error, culprit(error, model)
     raise last
+
+
+def _used_outputs(graph: fx.Graph, op_name: str | None) -> set[int] | None:
+    """The positions of the op's outputs the graph reads (None: the op is not in it; all are taken)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "_opname", getattr(n.target, "__name__", "")) \
+                .split(".")[0] == op_name:
+            return {u.args[1] for u in n.users if u.target is operator.getitem and u.users}
+    return None
 
 
 def _cause_of(exc: BaseException, kind: type) -> BaseException | None:

@@ -68,6 +68,14 @@ def functions_note(gm: Any) -> str | None:
             f"{', '.join(names)}")
 
 
+def op_name_applying(first: Any) -> str | None:
+    """The name of the op whose call has ``first`` as its first argument (an opaque submodule's call)."""
+    for call in list(_calls.values()):
+        if call.template and call.template[0] is first:
+            return call.name
+    return None
+
+
 _fx_targets: dict[type, Any] = {}
 
 

@@ -98,6 +98,7 @@ class OpaqueCall:
     rng: Any = None  # the random number generators' states at the example's call
     profile: Profile | None = None
     random: bool = False  # whether the example's call drew random numbers
+    used: set[int] | None = None  # the outputs the model reads (they get gradients); None: all
     needs_grad: list[bool] = field(default_factory=list)  # of the call's tensors, as captured
 
     # -- run time -------------------------------------------------------------------------------
@@ -181,8 +182,11 @@ class OpaqueModule(torch.autograd.Function):
     @staticmethod
     def ckptopt_apply(call: OpaqueCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if any(is_fake(t) or t.is_meta for t in tensors):
-            token = _ReplayGradients.apply(call, *tensors)
-            return _ReplayOutputs.apply(call, token, *tensors)
+            # the graph reaches only the inputs the example's call gave gradients (an expert no token
+            # was routed to gets none, as in the model): the tracer charges gradients by what it reaches
+            wanted = range(len(tensors)) if call.profile is None else call.profile.grads_for
+            token = _ReplayGradients.apply(call, tensors[0].device, *(tensors[k] for k in wanted))
+            return _ReplayOutputs.apply(call, token, *(t.detach() for t in tensors))
         return tuple(call.run(list(tensors)))
 
     @staticmethod
@@ -211,21 +215,17 @@ def _quiet(ctx: Any, outs: list[torch.Tensor]) -> None:
 
 
 class _ReplayGradients(torch.autograd.Function):
-    """The replay's node next to the inputs: its backward makes the gradients the call made."""
+    """The replay's node next to the inputs that get gradients: its backward makes them."""
 
     @staticmethod
-    def forward(ctx: Any, call: OpaqueCall, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.call, ctx.like = call, tensors
-        return torch.empty(0, device=tensors[0].device)  # (no storage: nothing to count)
+    def forward(ctx: Any, call: OpaqueCall, device: torch.device, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.like = tensors
+        return torch.empty(0, device=device)  # (no storage: nothing to count)
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
-        p = ctx.call.profile
-        result: list[torch.Tensor | None] = [None] * len(ctx.like)
-        for k in p.grads_for if p is not None else ():
-            if ctx.needs_input_grad[k + 1]:
-                result[k] = torch.empty_like(ctx.like[k])
-        return (None, *result)
+        return (None, None, *(torch.empty_like(t) if need else None
+                              for t, need in zip(ctx.like, ctx.needs_input_grad[2:])))
 
 
 class _ReplayOutputs(torch.autograd.Function):
@@ -480,7 +480,7 @@ def profile(call: OpaqueCall) -> None:
             kept = [b for key, b in tracker.storages.items() if key not in before and key not in out_keys]
             saved_inputs = tuple(k for k, t in enumerate(tensors) if t.numel() and storage_identity(t) in saved)
             saved_outputs = tuple(k for k, o in enumerate(outs) if o.numel() and storage_identity(o) in saved)
-            roots = [o for o in outs if o.requires_grad]
+            roots = [o for k, o in enumerate(outs) if o.requires_grad and (call.used is None or k in call.used)]
             wrt = [(k, t) for k, t in enumerate(tensors) if t.requires_grad]
             seed = _Seed.apply(*roots) if roots and wrt else None
             grads = sum(o.numel() * o.element_size() for o in roots)
