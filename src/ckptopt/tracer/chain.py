@@ -27,12 +27,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from ..costs import ChainCosts
+from ..errors import TraceError
 from ..segment_cost import segment_cost
 from ..fake import fake_copy
 from ..storages import storage_nbytes
 from ..torch_utils import Inputs, default_loss, normalize_inputs, tensor_leaves
 from .capture import Captured, check_capture_mode
 from .capture import capture as capture_graph
+from .capture.export import OPAQUE_ROUNDS
+from .capture.opaque import starting_with
 from ..solvers.limits import SIDE_AUTO_MAX_WORK
 from ..solvers.side_tensors import solves_within
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
@@ -220,7 +223,37 @@ def trace(
     inputs = check_model_and_inputs(model, example_inputs)
     model, inputs = unmaterialized(model, inputs)  # meta tensors: fakes on a real device
     captured = capture_graph(model, inputs, capture, leaf_modules, dynamic_shapes)
-    return trace_captured(model, captured, inputs, loss_fn, max_crossing)
+    try:
+        return trace_captured(model, captured, inputs, loss_fn, max_crossing)
+    except TraceError as exc:
+        error, reading = exc, []
+    # a submodule whose captured ops read a value runs as one op (capture/opaque.py), one more per round
+    for _ in range(OPAQUE_ROUNDS):
+        module = _reading_submodule(model, captured, error)
+        if module is None or module in reading:
+            break
+        reading.append(module)
+        try:
+            with starting_with(reading):
+                captured = capture_graph(model, inputs, "export", leaf_modules, dynamic_shapes)
+            return trace_captured(model, captured, inputs, loss_fn, max_crossing)
+        except TraceError as exc:
+            error = exc
+        except Exception:  # noqa: BLE001 - the measurement's error names the line
+            break
+    raise error from None
+
+
+def _reading_submodule(model: nn.Module, captured: Captured, exc: TraceError) -> nn.Module | None:
+    """The submodule of ``model`` in which an exported graph reads a tensor's value that measuring on
+    fake tensors cannot follow (JetMoe's router: ``.tolist()``), or None."""
+    path = getattr(exc, "module_path", None)
+    if not path or captured.front_end != "export" or any(p.is_meta for p in model.parameters()):
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def trace_captured(model: nn.Module, captured: Captured, example_inputs: Any,

@@ -41,12 +41,14 @@ class FakeRecorder(fx.Interpreter):
             construct = data_dependent_construct(exc)
             if construct is not None:
                 line = source_line(exc, n.meta.get("stack_trace"))
-                raise TraceError(
+                error = TraceError(
                     f"ckptopt cannot measure {self._describe(n)}: it runs {construct}"
                     f"{' at ' + line if line else ''}. {FAKE_VALUES_NOTE}. What to do: {REWRITE_HINT}, "
                     f"or {own_checkpointing_hint()}.",
                     node=n.name,
-                ) from exc
+                )
+                error.module_path = module_path(n) if n.op != "call_module" else None  # (where it runs)
+                raise error from exc
             raise TraceError(
                 f"running node {n.format_node()} on the example inputs failed: {type(exc).__name__}: {exc}. "
                 "Check that the example inputs match what the model expects (shapes, dtypes, devices).",

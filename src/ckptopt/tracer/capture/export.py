@@ -58,7 +58,8 @@ from ...torch_utils import Inputs, inspected_by_type, is_fake
 from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
 from .functions import functions_note, op_name_applying, opaque_functions
-from .opaque import NotOpaque, culprit, eligible, example_calls, opaque_modules, opaque_note, parent_of, profile
+from .opaque import (NotOpaque, culprit, eligible, example_calls, forced, opaque_modules, opaque_note, parent_of,
+                     profile)
 from .packing import PACKING_NOTE, check_packing, eager_packing
 
 __all__ = ["export_capture"]
@@ -254,41 +255,68 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
     weights (the submodules run on the example batch); otherwise the first error stands."""
     from ...torch_utils import data_dependent_construct
 
-    try:
-        ep, dynamic = _export(target, model, inputs, notes, dynamic_shapes)
-        return ep, dynamic, []
-    except TraceError as error:
-        first = error
-    if data_dependent_construct(first) is None or any(
-            t.is_meta for t in (*model.parameters(), *inputs.tensors())):
-        raise first
-    kinds: list[nn.Module] = []  # one submodule of each class run as one op
-    last: TraceError = first
-    found = culprit(first, model)
-    for _ in range(OPAQUE_ROUNDS):
-        if found is None:
-            raise last
-        kinds = [k for k in kinds if type(k) is not type(found)] + [found]
-        chosen = [m for m in model.modules() if any(type(m) is type(k) for k in kinds)]
+    classes: list[type] = []  # every submodule of these classes runs as one op
+    refused: set[type] = set()  # classes that cannot (their submodules' parents go instead)
+
+    def called(m: nn.Module | None) -> nn.Module | None:
+        while m is not None and type(m) in refused:
+            m = parent_of(m, model)
+        return m
+
+    def add(m: nn.Module | None) -> None:
+        if m is not None and type(m) not in classes:
+            classes.append(type(m))
+
+    first: TraceError | None = None
+    for m in forced():  # (the graph captured without them reads values measurement cannot follow)
+        add(m)
+    if not classes:
         try:
-            why = eligible(found)
-            if why is not None:
-                raise NotOpaque(why, found)
+            ep, dynamic = _export(target, model, inputs, notes, dynamic_shapes)
+            return ep, dynamic, []
+        except TraceError as error:
+            first = error
+        if data_dependent_construct(first) is None or any(
+                t.is_meta for t in (*model.parameters(), *inputs.tensors())):
+            raise first
+        add(culprit(first, model))
+    last = first
+    for _ in range(OPAQUE_ROUNDS):
+        if not classes:
+            break
+        chosen = [m for m in model.modules() if type(m) in classes]
+        try:
+            for cls in classes:
+                one = next(m for m in chosen if type(m) is cls)
+                why = eligible(one)
+                if why is not None:
+                    raise NotOpaque(why, one)
             examples = example_calls(target, tuple(inputs.args), dict(inputs.kwargs), chosen)
+            for cls in classes:
+                if not any(examples[m] for m in chosen if type(m) is cls):  # (JetMoe's experts: called
+                    raise NotOpaque(f"{cls.__name__} is not called through its forward",  # through methods)
+                                    next(m for m in chosen if type(m) is cls))
             tried: list[str] = []
             with opaque_modules(model, examples) as made:
                 ep, dynamic = _export(target, model, inputs, tried, dynamic_shapes=False)
             notes.extend(tried)
             return ep, dynamic, made
         except (NotOpaque, TraceError) as error:
-            refused = _cause_of(error, NotOpaque)
-            if refused is not None:  # it cannot be one op: its parent instead
-                kinds = [k for k in kinds if type(k) is not type(refused.module)]
-                found = parent_of(refused.module, model)
+            refusal = _cause_of(error, NotOpaque)
+            if refusal is not None:  # its submodules cannot be one op: each one's parent instead
+                cls = type(refusal.module)
+                refused.add(cls)
+                classes.remove(cls)
+                for m in model.modules():
+                    if type(m) is cls:
+                        add(called(parent_of(m, model)))
                 continue
             if data_dependent_construct(error) is None:
-                raise first from None
-            last, found = error, culprit(error, model)
+                raise (first or error) from None
+            last = error
+            add(called(culprit(error, model)))
+    if last is None:
+        raise TraceError("the submodules that read a tensor's value cannot run as one op", node=type(model).__name__)
     raise last
 
 

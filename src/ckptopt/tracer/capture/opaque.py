@@ -32,6 +32,8 @@ recomputation would update them twice), and its parameters are plain tensors.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -44,7 +46,7 @@ from ...storages import storage_identity
 from ...torch_utils import is_fake
 
 __all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible",
-           "example_calls", "profile", "opaque_note"]
+           "example_calls", "profile", "opaque_note", "starting_with", "forced"]
 
 
 @dataclass
@@ -58,10 +60,12 @@ class Profile:
     kept storages counted at the start); ``grads_for``: the op inputs that got a gradient."""
 
     forward_peak: int
+    before_pack: int  # the forward's high point up to its last saved tensor (where a recomputation stops)
     kept: list[int]
     saved_inputs: tuple[int, ...]
     saved_outputs: tuple[int, ...]
     backward_peak: int
+    backward_after: int  # the backward's high point after its outputs' gradients went (same reference)
     grads_for: tuple[int, ...]
 
 
@@ -136,26 +140,32 @@ class OpaqueCall:
     def n_inputs(self) -> int:
         return len(self.slots) + len(self.param_names)
 
-    def replay(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The forward's memory on fake tensors as the example's call used it: ``(outputs, the
-        storages its graph keeps)``; before the call is profiled (while exporting), outputs only."""
+    def check(self, tensors: list[torch.Tensor]) -> None:
         for t, want in zip(tensors, self.shapes):
             if tuple(t.shape) != tuple(want):
                 raise RuntimeError(f"ckptopt: the submodule {self.path}, run as one op, is called with shape "
                                    f"{tuple(t.shape)}; it was measured at {tuple(want)}")
+
+    def replay_kept(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The storages the forward keeps, after its high point up to its last saved tensor."""
+        p, device = self.profile, tensors[0].device
+        kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept]
+        _touch(p.before_pack - sum(p.kept), device)
+        return kept + [tensors[i] for i in p.saved_inputs]
+
+    def replay_outputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The outputs, and the forward's high point after its last saved tensor."""
         device = tensors[0].device if tensors else torch.device("cpu")
-        p = self.profile
-        kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept] if p else []
         buffers: dict[int, torch.Tensor] = {}
         outs = []
         for leaf in self.out_leaves:
             if leaf.group not in buffers:
                 buffers[leaf.group] = torch.empty(leaf.group_bytes, dtype=torch.uint8, device=device)
             outs.append(_view(buffers[leaf.group], leaf))
-        if p is None:
-            return outs, []
-        _touch(p.forward_peak - sum(p.kept) - sum(b.numel() for b in buffers.values()), device)
-        return outs, kept + [tensors[i] for i in p.saved_inputs] + [outs[i] for i in p.saved_outputs]
+        p = self.profile
+        if p is not None:
+            _touch(p.forward_peak - sum(p.kept) - sum(b.numel() for b in buffers.values()), device)
+        return outs
 
 
 def _view(buffer: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
@@ -184,9 +194,14 @@ class OpaqueModule(torch.autograd.Function):
         if any(is_fake(t) or t.is_meta for t in tensors):
             # the graph reaches only the inputs the example's call gave gradients (an expert no token
             # was routed to gets none, as in the model): the tracer charges gradients by what it reaches
-            wanted = range(len(tensors)) if call.profile is None else call.profile.grads_for
-            token = _ReplayGradients.apply(call, tensors[0].device, *(tensors[k] for k in wanted))
-            return _ReplayOutputs.apply(call, token, *(t.detach() for t in tensors))
+            call.check(list(tensors))
+            if call.profile is None:  # (while exporting: the outputs, needing gradients as the real ones do)
+                return _Shapes.apply(call, *tensors)
+            token = _ReplayGradients.apply(call, tensors[0].device, *(tensors[k] for k in call.profile.grads_for))
+            link: dict[str, int] = {}  # (what the outputs' node lets go before the kept storages' node runs)
+            token = _ReplayKept.apply(call, link, token, *(t.detach() for t in tensors))
+            token = _ReplayBackward.apply(call, link, token)
+            return _ReplayOutputs.apply(call, link, token, *(t.detach() for t in tensors))
         return tuple(call.run(list(tensors)))
 
     @staticmethod
@@ -196,22 +211,41 @@ class OpaqueModule(torch.autograd.Function):
 
 class _Seed(torch.autograd.Function):
     """A root whose backward hands each output a gradient of ones that autograd owns (and frees once
-    used), as the model's backward hands the submodule its outputs' gradients."""
+    used), as the model's backward hands the submodule its outputs' gradients; ``freed`` is called as
+    each one goes."""
 
     @staticmethod
-    def forward(ctx: Any, *outs: torch.Tensor) -> torch.Tensor:
-        ctx.like = [(o.shape, o.dtype, o.device) for o in outs]
+    def forward(ctx: Any, freed: Any, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.freed, ctx.like = freed, [(o.shape, o.dtype, o.device) for o in outs]
         return torch.zeros((), device=outs[0].device)
 
     @staticmethod
     def backward(ctx: Any, _: torch.Tensor) -> tuple:
-        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+        grads = tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+        for g in grads:
+            weakref.finalize(g.untyped_storage(), ctx.freed).atexit = False
+        return (None, *grads)
 
 
 def _quiet(ctx: Any, outs: list[torch.Tensor]) -> None:
     quiet = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
     if quiet:
         ctx.mark_non_differentiable(*quiet)
+
+
+class _Shapes(torch.autograd.Function):
+    """The outputs alone (while exporting, before the call is measured); they need gradients where an
+    input does, so the submodules after this one are captured with inputs that do."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpaqueCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = call.replay_outputs(list(tensors))
+        _quiet(ctx, outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        raise RuntimeError("ckptopt: an opaque submodule was differentiated before it was measured")
 
 
 class _ReplayGradients(torch.autograd.Function):
@@ -228,28 +262,88 @@ class _ReplayGradients(torch.autograd.Function):
                               for t, need in zip(ctx.like, ctx.needs_input_grad[2:])))
 
 
-class _ReplayOutputs(torch.autograd.Function):
-    """The replay's node next to the outputs: the forward's outputs, kept storages and high point."""
+class _ReplayKept(torch.autograd.Function):
+    """The storages the forward keeps, saved (the tracer's pack hooks see them); read back by its
+    backward, which lets them go."""
 
     @staticmethod
-    def forward(ctx: Any, call: OpaqueCall, token: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, call: OpaqueCall, link: dict, token: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.n = len(tensors)
+        ctx.save_for_backward(*call.replay_kept(list(tensors)))
+        return torch.empty(0, device=token.device)
+
+    @staticmethod
+    def backward(ctx: Any, token: torch.Tensor) -> tuple:
+        held = ctx.saved_tensors  # (a checkpoint's recomputed copies go once read)
+        del held
+        return (None, None, torch.empty(0, device=token.device), *([None] * ctx.n))
+
+
+class _ReplayBackward(torch.autograd.Function):
+    """The submodule's backward: saves one empty tensor after the kept storages (so a recomputation
+    stops here, after the submodule's last saved tensor, and reading it triggers one, as the
+    submodule's first backward node does), then reaches the backward's high points, before and
+    after the outputs' gradients go."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpaqueCall, link: dict, token: torch.Tensor) -> torch.Tensor:
+        ctx.call, ctx.link = call, link
+        ctx.save_for_backward(torch.empty(0, device=token.device))
+        return torch.empty(0, device=token.device)
+
+    @staticmethod
+    def backward(ctx: Any, token: torch.Tensor) -> tuple:
+        held = ctx.saved_tensors
+        del held
+        p = ctx.call.profile
+        _touch(p.backward_peak, token.device)
+        grads = ctx.link.pop("grads", ())
+        given = sum(g.numel() * g.element_size() for g in grads if g is not None)
+        del grads  # (gone, unless the model holds them elsewhere: a residual branch's gradient)
+        _touch(p.backward_after + given, token.device)
+        return None, None, torch.empty(0, device=token.device)
+
+
+class _ReplayOutputs(torch.autograd.Function):
+    """The outputs and the rest of the forward's high point; its backward hands the outputs'
+    gradients on (held until the submodule's backward has reached its first high point)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: OpaqueCall, link: dict, token: torch.Tensor,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.set_materialize_grads(False)
-        ctx.call, ctx.device = call, token.device
-        outs, held = call.replay(list(tensors))
-        ctx.save_for_backward(*held)
+        ctx.call, ctx.link, ctx.device = call, link, token.device
+        outs = call.replay_outputs(list(tensors))
+        ctx.save_for_backward(*(outs[i] for i in call.profile.saved_outputs))
         _quiet(ctx, outs)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        p = ctx.call.profile
-        held = ctx.saved_tensors  # (read, as the submodule's backward reads what its graph saved)
-        _touch(p.backward_peak if p is not None else 0, ctx.device)
+        held = ctx.saved_tensors
         del held
-        return (None, torch.empty(0, device=ctx.device), *([None] * ctx.call.n_inputs))
+        ctx.link["grads"] = grads
+        return (None, None, torch.empty(0, device=ctx.device), *([None] * ctx.call.n_inputs))
 
 
 # -- which submodule, and its example calls ---------------------------------------------------------
+_forced = threading.local()
+
+
+@contextmanager
+def starting_with(modules: list[nn.Module]) -> Iterator[None]:
+    """While active, an export capture runs ``modules`` (and their classes) as one op each from the
+    start: the graph captured without them reads values that measuring on fake tensors cannot follow."""
+    _forced.modules = list(modules)
+    try:
+        yield
+    finally:
+        _forced.modules = []
+
+
+def forced() -> list[nn.Module]:
+    return list(getattr(_forced, "modules", []))
+
 class NotOpaque(Exception):
     """``module`` cannot be one op (the message says why)."""
 
@@ -458,14 +552,16 @@ def profile(call: OpaqueCall) -> None:
     given = [t.detach().requires_grad_(need) if need else t for t, need in zip(call.example, call.needs_grad)]
     tensors = [*given, *params]
     devices = _cuda_devices(tensors)
-    tracker = StorageTracker()
+    tracker = StorageTracker(timeline=True)
     tracker.register(tensors, call.module)
     before = set(tracker.storages)
     saved: set[int] = set()
+    last_pack = [0]  # the timeline's length at the last pack
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.numel():
             saved.add(storage_identity(t))
+        last_pack[0] = len(tracker.timeline)
         return t
 
     try:
@@ -473,32 +569,39 @@ def profile(call: OpaqueCall) -> None:
             _set_rng_state(call.rng, devices)
             start = tracker.current_bytes
             tracker.reset_peak()
+            first = len(tracker.timeline)
             with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = call.run(tensors)
             forward_peak = tracker.peak_bytes - start
+            before_pack = max((b for _, _, b in tracker.timeline[first:max(last_pack[0], first)]), default=start) - start
             out_keys = {storage_identity(o) for o in outs if o.numel()}
             kept = [b for key, b in tracker.storages.items() if key not in before and key not in out_keys]
             saved_inputs = tuple(k for k, t in enumerate(tensors) if t.numel() and storage_identity(t) in saved)
             saved_outputs = tuple(k for k, o in enumerate(outs) if o.numel() and storage_identity(o) in saved)
             roots = [o for k, o in enumerate(outs) if o.requires_grad and (call.used is None or k in call.used)]
             wrt = [(k, t) for k, t in enumerate(tensors) if t.requires_grad]
-            seed = _Seed.apply(*roots) if roots and wrt else None
+            gone: list[int] = []  # the timeline's length as each output gradient goes
+            seed = _Seed.apply(lambda: gone.append(len(tracker.timeline)), *roots) if roots and wrt else None
             grads = sum(o.numel() * o.element_size() for o in roots)
             del outs, roots
             start = tracker.current_bytes + grads  # (the replay's backward starts with its outputs' gradients)
-            tracker.reset_peak()
+            first = len(tracker.timeline)
             with tracker:
                 got = (torch.autograd.grad(seed, [t for _, t in wrt], torch.ones_like(seed), allow_unused=True)
                        if seed is not None else [None] * len(wrt))
                 del seed
-            backward_peak = tracker.peak_bytes - start
+            # the high points before and after the outputs' gradients go: a gradient the model holds
+            # elsewhere too (a residual branch's) is still there after, and the replay adds it back
+            cut = max(gone[-1] if gone else len(tracker.timeline), first)
+            backward_peak = max((b for _, _, b in tracker.timeline[first:cut]), default=start) - start
+            backward_after = max((b for _, _, b in tracker.timeline[cut:]), default=start - grads) - start
             result = [None] * len(tensors)
             for (k, _), g in zip(wrt, got):
                 result[k] = g
     finally:
         tracker.detach()
-    call.profile = Profile(forward_peak, kept, saved_inputs, saved_outputs, backward_peak,
-                           tuple(k for k, g in enumerate(result) if g is not None))
+    call.profile = Profile(forward_peak, max(before_pack, sum(kept)), kept, saved_inputs, saved_outputs, backward_peak,
+                           backward_after, tuple(k for k, g in enumerate(result) if g is not None))
     call.example = None
 
 
