@@ -813,7 +813,8 @@ def run_model(name: str, task: str, tasks: list[str] | None = None, progress=Non
     rec.update(layers=opt.traced.n, front_end=getattr(capture, "front_end", None), solver=opt.plan.solver,
                checkpoints=list(opt.plan.checkpoints), stored=list(opt.plan.stored),
                predicted_peak_bytes=int(opt.predicted_peak_bytes), baseline_predicted_bytes=int(opt.baseline_peak_bytes),
-               recompute_share=sim.recompute_share)
+               recompute_share=sim.recompute_share,
+               one_op=sorted(k for k, v in (getattr(capture, "opaque", None) or {}).items() if "one op" in v))
 
     # 3. peaks: ckptopt, the unmodified model, HF's checkpointing (each one step, exact tracker)
     failed: list[str] = []

@@ -118,6 +118,7 @@ def test_a_submodule_that_reads_a_value_runs_as_one_op_exactly(with_counted):
     traced = trace(model, x, capture="export")
     notes = " ".join(traced.capture.notes)
     assert "run as one op each" in notes and "gate" in notes and "drop" in notes
+    assert {"gate", "drop", "last"} <= set(traced.opaque_modules)
     assert "draw random numbers" in notes and "drop" in notes.split("draw random numbers")[0].rsplit(";", 1)[-1]
     if with_counted:
         assert "uses" in notes and "uses.counted" not in notes  # the parent, as the child returns an int

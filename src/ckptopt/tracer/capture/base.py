@@ -26,7 +26,8 @@ class Captured:
     front_end : str
         ``"fx"`` or ``"export"``.
     opaque : dict
-        Submodules kept as one opaque node, with the reason (``fx`` only).
+        Submodules kept as one opaque node, with the reason: those FX cannot trace (``fx``), and
+        those whose forward reads a tensor's value, run as one op (``export``, :mod:`.opaque`).
     bind : callable
         ``bind(Inputs) -> list`` of the placeholders' values for a call, or None
         when the call does not match the captured signature (other keywords, a

@@ -192,7 +192,9 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     note = functions_note(gm)
     if note:
         notes.append(note)
-    return Captured(gm, "export", {}, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
+    one_op = {c.path: ONE_OP_REASON + (" (it draws random numbers: measured with the example's draws)" if c.random else "")
+              for c in made}
+    return Captured(gm, "export", one_op, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
 
 
@@ -239,6 +241,8 @@ def _without_ones_mask(model: nn.Module, inputs: Inputs, notes: list[str]) -> tu
                  "runs such a batch eagerly (no mask built or saved); a batch that pads is planned on first sight")
     return Inputs(inputs.args, {k: v for k, v in inputs.kwargs.items() if k != "attention_mask"}), True
 
+
+ONE_OP_REASON = "its forward reads a tensor's value: run as one op, measured by running it on the example batch"
 
 #: How many kinds of submodule a capture may run as one op each before it gives up.
 OPAQUE_ROUNDS = 12
