@@ -213,3 +213,17 @@ def test_a_captured_graph_that_reads_a_value_runs_its_submodule_as_one_op():
     assert torch.equal(want_loss, got_loss)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(want, got))
     assert 0 <= measure_peak(opt, x) - opt.predicted_peak_bytes <= 8
+
+
+def test_a_submodule_run_as_one_op_costs_the_compute_it_ran():
+    from ckptopt.tracer.flops import count_flops
+
+    torch.manual_seed(0)
+    model = Net(p=1e-9).train()
+    x = torch.randn(4, 16, D)
+    traced = trace(model, x, capture="export")
+    compute = dict(zip(traced.costs.names, traced.costs.to_dict()["compute"]))
+    with torch.enable_grad():
+        h = torch.tanh(model.inp(x)).detach().requires_grad_()
+        want = count_flops(lambda: model.gate(h))
+    assert want > 0 and compute["gate"] == want + h.numel()  # (the layer count includes its input's copy)

@@ -16,9 +16,24 @@ def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: It
     """Forward compute of a layer: FLOPs of the ops ``torch.utils.flop_counter``
     has a formula for (matmuls, convolutions, attention), plus one per output
     element of every other op that is not a view (elementwise ops, norms,
-    pooling), so that layers without a matmul do not look free to re-run."""
+    pooling), so that layers without a matmul do not look free to re-run. A
+    submodule run as one op (:mod:`.capture.opaque`) counts what it counted when
+    it ran on the example batch."""
+    from .capture.opaque import replayed_flops
+
+    # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
+    # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
+    with torch.enable_grad(), replayed_flops() as replayed:
+        counted = count_flops(lambda: module(*[a.detach().clone() for a in args], *static_inputs))
+        return counted + replayed()
+
+
+def count_flops(run) -> int:
+    """The FLOPs :func:`forward_flops` counts for ``run()``."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    from .capture.opaque import replaying
 
     extra = _extra_formulas()
 
@@ -27,15 +42,14 @@ def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: It
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func._overloadpacket not in flop_registry and func._overloadpacket not in extra and not func.is_view:
+            if func._overloadpacket not in flop_registry and func._overloadpacket not in extra and not func.is_view \
+                    and not replaying():
                 _Elementwise.total += sum(t.numel() for t in tensor_leaves(out))
             return out
 
     _Elementwise.total = 0
-    # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
-    # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
-    with torch.enable_grad(), FlopCounterMode(display=False, custom_mapping=extra) as counter, _Elementwise():
-        module(*[a.detach().clone() for a in args], *static_inputs)
+    with FlopCounterMode(display=False, custom_mapping=extra) as counter, _Elementwise():
+        run()
     return int(counter.get_total_flops()) + int(_Elementwise.total)
 
 

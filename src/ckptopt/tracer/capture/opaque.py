@@ -57,7 +57,8 @@ class Profile:
     sizes of the storages the forward leaves behind other than its inputs and outputs (its
     graph's saved tensors); ``saved_inputs``/``saved_outputs``: positions of the op's inputs and
     outputs its graph saves; ``backward_peak``: the backward's high point above its start (the
-    kept storages counted at the start); ``grads_for``: the op inputs that got a gradient."""
+    kept storages counted at the start, the outputs' gradients held); ``grads_for``: the op inputs
+    that got a gradient."""
 
     forward_peak: int
     before_pack: int  # the forward's high point up to its last saved tensor (where a recomputation stops)
@@ -67,6 +68,7 @@ class Profile:
     backward_peak: int
     backward_after: int  # the backward's high point after its outputs' gradients went (same reference)
     grads_for: tuple[int, ...]
+    flops: int  # the forward's compute, counted as the tracer counts a layer's (tracer/flops.py)
 
 
 @dataclass
@@ -149,7 +151,9 @@ class OpaqueCall:
     def replay_kept(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The storages the forward keeps, after its high point up to its last saved tensor."""
         p, device = self.profile, tensors[0].device
-        kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept]
+        _count(self)
+        with _allocating():
+            kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept]
         _touch(p.before_pack - sum(p.kept), device)
         return kept + [tensors[i] for i in p.saved_inputs]
 
@@ -158,10 +162,11 @@ class OpaqueCall:
         device = tensors[0].device if tensors else torch.device("cpu")
         buffers: dict[int, torch.Tensor] = {}
         outs = []
-        for leaf in self.out_leaves:
-            if leaf.group not in buffers:
-                buffers[leaf.group] = torch.empty(leaf.group_bytes, dtype=torch.uint8, device=device)
-            outs.append(_view(buffers[leaf.group], leaf))
+        with _allocating():
+            for leaf in self.out_leaves:
+                if leaf.group not in buffers:
+                    buffers[leaf.group] = torch.empty(leaf.group_bytes, dtype=torch.uint8, device=device)
+                outs.append(_view(buffers[leaf.group], leaf))
         p = self.profile
         if p is not None:
             _touch(p.forward_peak - sum(p.kept) - sum(b.numel() for b in buffers.values()), device)
@@ -177,7 +182,8 @@ def _view(buffer: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
 def _touch(nbytes: int, device: torch.device) -> None:
     """Allocate ``nbytes`` and let them go (a high point the replay reaches)."""
     if nbytes > 0:
-        torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with _allocating():
+            torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class OpaqueModule(torch.autograd.Function):
@@ -324,6 +330,41 @@ class _ReplayOutputs(torch.autograd.Function):
         del held
         ctx.link["grads"] = grads
         return (None, None, torch.empty(0, device=ctx.device), *([None] * ctx.call.n_inputs))
+
+
+# -- the compute a replay stands for -----------------------------------------------------------------
+_counting = threading.local()
+
+
+@contextmanager
+def replayed_flops() -> Iterator[Any]:
+    """While active, each replayed forward adds the FLOPs its call counted on the example; yields a
+    function that gives the total."""
+    saved = getattr(_counting, "total", None)
+    _counting.total = 0
+    try:
+        yield lambda: _counting.total
+    finally:
+        _counting.total = saved
+
+
+def replaying() -> bool:
+    """Whether a replay is allocating now (its allocations compute nothing)."""
+    return getattr(_counting, "replaying", False)
+
+
+@contextmanager
+def _allocating() -> Iterator[None]:
+    _counting.replaying = True
+    try:
+        yield
+    finally:
+        _counting.replaying = False
+
+
+def _count(call: OpaqueCall) -> None:
+    if getattr(_counting, "total", None) is not None and call.profile is not None:
+        _counting.total += call.profile.flops
 
 
 # -- which submodule, and its example calls ---------------------------------------------------------
@@ -601,7 +642,8 @@ def profile(call: OpaqueCall) -> None:
     finally:
         tracker.detach()
     call.profile = Profile(forward_peak, max(before_pack, sum(kept)), kept, saved_inputs, saved_outputs, backward_peak,
-                           backward_after, tuple(k for k, g in enumerate(result) if g is not None))
+                           backward_after, tuple(k for k, g in enumerate(result) if g is not None),
+                           _example_flops(call, tensors, devices))
     call.example = None
 
 
@@ -620,3 +662,12 @@ def opaque_note(calls: list[OpaqueCall]) -> str | None:
                  "inside them, turn the random skip off (config.layerdrop=0, encoder_layerdrop=0, "
                  "decoder_layerdrop=0)")
     return text
+
+
+def _example_flops(call: OpaqueCall, tensors: list[torch.Tensor], devices: list[int]) -> int:
+    """The call's forward FLOPs on the example (its random state again), as a layer's are counted."""
+    from ..flops import count_flops
+
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        _set_rng_state(call.rng, devices)
+        return count_flops(lambda: call.run(tensors))
