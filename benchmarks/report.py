@@ -862,6 +862,43 @@ def which_sweep(r: Results) -> str:
         table(["stage", "classes"], hrows))
 
 
+def _one_op(paths: list[str] | None) -> str:
+    """The submodules run as one op, shortened: the layer indices of a stack folded into ``N``."""
+    if not paths:
+        return "–"
+    kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", p) for p in paths))
+    return ", ".join(f"`{k}`" for k in kinds[:3]) + (f" (+{len(kinds) - 3} more)" if len(kinds) > 3 else "")
+
+
+def which_data_dependent(r: Results) -> str:
+    d = r("hf_sweep/data-dependent.json")
+    rows = []
+    for x in d["records"]:
+        if x["status"] == "ok":
+            result = "ok"
+        elif x.get("predicted_peak_bytes") is not None:
+            result = "plans; " + x.get("cause", "")
+        else:
+            result = "error: " + x.get("message", x.get("cause", ""))[:120].split(" which neither")[0] + "…"
+        exact = x.get("exact") or {}
+        rows.append([x["model"], result, _one_op(x.get("one_op")),
+                     pct(x.get("prediction_error"), 3) if x.get("prediction_error") is not None else "–",
+                     times(x.get("peak_ratio_vs_hf")) if x.get("peak_ratio_vs_hf") is not None else "–",
+                     "yes" if exact.get("identical") else ("–" if not exact else "no")])
+    ok = sum(x["status"] == "ok" for x in d["records"])
+    return block(
+        "### Models whose forward reads a tensor's value",
+        "The 14 models the sweep above stops on, re-run with the submodule that reads a value run as one op "
+        f"(docs/design.md §11): {ok} of {len(d['records'])} are ok. \"Plans; peak above HF checkpointing\": the "
+        "model plans and trains bit-identically, predicted within 0.01%, but what runs as one op is a whole "
+        "encoder or decoder (LayerDrop's draw sits in the stack's loop; Longformer's encoder reads its "
+        "global-attention flag and hands it down as a Python value, so the whole model goes), nothing inside "
+        "it is checkpointed, and HF's per-layer checkpointing peaks lower; for LayerDrop, `explain()` says to "
+        "set the layer-drop probability to 0 to plan inside it. Measured as in the sweep above.",
+        table(["model", "result", "run as one op", "prediction error", "peak / HF's", "bit-identical"], rows),
+        source(r, "hf_sweep/data-dependent.json"))
+
+
 def which_others(r: Results) -> str:
     s = r("hf_sweep/latest-sample.json")
     st = Counter(x["status"] for x in s["records"])
@@ -1181,7 +1218,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
      [large_full, large_ranks, large_batch]),
     ("Which models?",
      "Coverage: which architectures plan, train identically and are predicted, and why the others stop.",
-     [which_sweep, which_others]),
+     [which_sweep, which_data_dependent, which_others]),
     ("On the GPU",
      "GPU runs are few (a lent card, minutes at a time): each table names its card. On CUDA the measurement is "
      "`torch.cuda.max_memory_allocated`, which includes the libraries' workspaces and the allocator's rounding.",

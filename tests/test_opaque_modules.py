@@ -227,3 +227,33 @@ def test_a_submodule_run_as_one_op_costs_the_compute_it_ran():
         h = torch.tanh(model.inp(x)).detach().requires_grad_()
         want = count_flops(lambda: model.gate(h))
     assert want > 0 and compute["gate"] == want + h.numel()  # (the layer count includes its input's copy)
+
+
+class NormedGate(nn.Module):
+    """A BatchNorm inside a submodule that reads a value: recomputed, it must not count the batch twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        h = self.norm(self.lin(x))
+        return h * 2 if h.sum() > 0 else h
+
+
+def test_running_statistics_inside_a_submodule_run_as_one_op_update_once_under_checkpointing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, D), NormedGate(), nn.Tanh(), NormedGate(), nn.Linear(D, D)).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 16, D)
+    traced = trace(model, x, capture="export")
+    from ckptopt.measure import _as_plan
+
+    module = apply_plan(model, traced, _as_plan(traced, tuple(range(1, traced.costs.n))))
+    for seed in (1, 2):
+        want_loss, want = _step(reference, x, seed)
+        got_loss, got = _step(module, x, seed)
+        assert torch.equal(want_loss, got_loss) and all(torch.equal(a, b) for a, b in zip(want, got))
+    for a, b in zip(reference.buffers(), model.buffers()):
+        assert torch.equal(a, b)

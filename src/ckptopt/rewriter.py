@@ -45,6 +45,7 @@ from .simulator import simulate
 from .torch_utils import Inputs, inputs_from_list
 from .tracer.capture.base import attr as _attr
 from .tracer.capture.blocks import BlockCall
+from .tracer.capture.opaque import submodule_of_op
 from .tracer.chain import TracedModel
 from .tracer.cuts import subgraph_module
 from .units import format_bytes
@@ -242,9 +243,15 @@ class CheckpointedModule(nn.Module):
                 continue
             for nm in seg.nodes:
                 n = nodes.get(nm)
-                if n is None or n.op != "call_module":
+                if n is None:
                     continue
-                for mod in self.get_submodule(n.target).modules():  # this module's tree
+                if n.op == "call_module":
+                    tree = self.get_submodule(n.target)
+                elif n.op == "call_function" and submodule_of_op(n.target) is not None:
+                    tree = submodule_of_op(n.target)  # (a submodule run as one op: capture/opaque.py)
+                else:
+                    continue
+                for mod in tree.modules():  # this module's tree
                     if isinstance(mod, nn.modules.batchnorm._BatchNorm) and id(mod) not in seen:
                         seen.add(id(mod))
                         handles.append(mod.register_forward_pre_hook(_bn_pre_hook))

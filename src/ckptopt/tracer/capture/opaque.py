@@ -26,8 +26,10 @@ submodule becomes one op of the graph instead (:class:`OpaqueModule`, kept whole
   a little high (0.8% of the step on a 2-layer M2M100).
 
 A submodule qualifies when every output is a tensor or None (a Python value it computed
-from data would be frozen into the graph), it updates no running statistics (a
-recomputation would update them twice), and its parameters are plain tensors.
+from data would be frozen into the graph), it is called through its ``forward`` with no
+symbolic value among its arguments, and its parameters are plain tensors. Its BatchNorms are
+hooked by the rewriter as the FX front end's opaque layers are, so a recomputation leaves
+their running statistics alone.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.utils import _pytree as pytree
 from ...storages import storage_identity
 from ...torch_utils import is_fake
 
-__all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible",
+__all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible", "submodule_of_op",
            "example_calls", "profile", "opaque_note", "starting_with", "forced"]
 
 
@@ -413,6 +415,15 @@ def culprit(exc: BaseException, model: nn.Module) -> nn.Module | None:
     return None
 
 
+def submodule_of_op(target: Any) -> nn.Module | None:
+    """The submodule an fx node target runs as one op, or None (the rewriter hooks its BatchNorms, so
+    a recomputation does not update their running statistics twice)."""
+    from .functions import first_argument, is_opaque_function
+
+    call = first_argument(target) if is_opaque_function(target) else None
+    return call.module if isinstance(call, OpaqueCall) else None
+
+
 def parent_of(module: nn.Module, model: nn.Module) -> nn.Module | None:
     """The nearest submodule of ``model`` that holds ``module`` and is called (not a ModuleList), or
     None when that is the model itself."""
@@ -428,10 +439,8 @@ def parent_of(module: nn.Module, model: nn.Module) -> nn.Module | None:
 
 
 def eligible(module: nn.Module) -> str | None:
-    """Why ``module`` cannot run as one op, or None."""
-    for m in module.modules():
-        if getattr(m, "track_running_stats", False) and m.training:
-            return f"{type(m).__name__} updates running statistics (a recomputation would update them twice)"
+    """Why ``module`` cannot run as one op, or None. (Its BatchNorms may update running statistics:
+    the rewriter keeps a recomputation from updating them again, :func:`submodule_of_op`.)"""
     for name, p in module.named_parameters():
         if type(p) not in (torch.Tensor, nn.Parameter):
             return f"its parameter {name} is a {type(p).__name__}"
@@ -484,6 +493,19 @@ def _layout(outs: list[torch.Tensor], given: set[int]) -> list[_Leaf]:
     return leaves
 
 
+@contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """The module's buffers as they were, after running it to look (BatchNorm's running statistics
+    would otherwise count the runs that planning makes)."""
+    saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in saved:
+                b.copy_(value)
+
+
 def _frozen(obj: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, obj)
 
@@ -518,7 +540,7 @@ def example_calls(target: nn.Module, call_args: tuple, call_kwargs: dict,
         handles.append(m.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(m.register_forward_hook(after, with_kwargs=True))
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), _buffers_kept(target):
             target(*call_args, **call_kwargs)
     finally:
         for h in handles:
@@ -606,7 +628,7 @@ def profile(call: OpaqueCall) -> None:
         return t
 
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), _buffers_kept(call.module):
             _set_rng_state(call.rng, devices)
             start = tracker.current_bytes
             tracker.reset_peak()
@@ -668,6 +690,6 @@ def _example_flops(call: OpaqueCall, tensors: list[torch.Tensor], devices: list[
     """The call's forward FLOPs on the example (its random state again), as a layer's are counted."""
     from ..flops import count_flops
 
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), _buffers_kept(call.module):
         _set_rng_state(call.rng, devices)
         return count_flops(lambda: call.run(tensors))
