@@ -31,7 +31,7 @@ from ..errors import TraceError
 from ..segment_cost import segment_cost
 from ..fake import fake_copy
 from ..storages import storage_nbytes
-from ..torch_utils import Inputs, default_loss, normalize_inputs, tensor_leaves
+from ..torch_utils import Inputs, default_loss, is_fake, normalize_inputs, tensor_leaves
 from .capture import Captured, check_capture_mode
 from .capture import capture as capture_graph
 from .capture.export import OPAQUE_ROUNDS
@@ -228,8 +228,9 @@ def trace(
     except TraceError as exc:
         error, reading = exc, []
     # a submodule whose captured ops read a value runs as one op (capture/opaque.py), one more per round
-    for _ in range(OPAQUE_ROUNDS):
-        module = _reading_submodule(model, captured, error)
+    first = error
+    for _ in range(OPAQUE_ROUNDS if capture != "fx" else 0):
+        module = _reading_submodule(model, error)
         if module is None or module in reading:
             break
         reading.append(module)
@@ -237,18 +238,18 @@ def trace(
             with starting_with(reading):
                 captured = capture_graph(model, inputs, "export", leaf_modules, dynamic_shapes)
             return trace_captured(model, captured, inputs, loss_fn, max_crossing)
-        except TraceError as exc:
+        except TraceError as exc:  # (another submodule reads a value: one more round)
             error = exc
         except Exception:  # noqa: BLE001 - the measurement's error names the line
             break
-    raise error from None
+    raise (error if getattr(error, "module_path", None) else first) from None
 
 
-def _reading_submodule(model: nn.Module, captured: Captured, exc: TraceError) -> nn.Module | None:
-    """The submodule of ``model`` in which an exported graph reads a tensor's value that measuring on
-    fake tensors cannot follow (JetMoe's router: ``.tolist()``), or None."""
+def _reading_submodule(model: nn.Module, exc: TraceError) -> nn.Module | None:
+    """The submodule of ``model`` whose captured ops (or, under FX, whose opaque leaf) read a tensor's
+    value that measuring on fake tensors cannot follow (JetMoe's router: ``.tolist()``), or None."""
     path = getattr(exc, "module_path", None)
-    if not path or captured.front_end != "export" or any(p.is_meta for p in model.parameters()):
+    if not path or any(p.is_meta or is_fake(p) for p in model.parameters()):  # (no values to run it on)
         return None
     try:
         return model.get_submodule(path)

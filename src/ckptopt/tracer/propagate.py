@@ -47,7 +47,7 @@ class FakeRecorder(fx.Interpreter):
                     f"or {own_checkpointing_hint()}.",
                     node=n.name,
                 )
-                error.module_path = module_path(n) if n.op != "call_module" else None  # (where it runs)
+                error.module_path = n.target if n.op == "call_module" else module_path(n)  # (where it runs)
                 raise error from exc
             raise TraceError(
                 f"running node {n.format_node()} on the example inputs failed: {type(exc).__name__}: {exc}. "

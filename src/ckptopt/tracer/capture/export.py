@@ -280,8 +280,8 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
             return ep, dynamic, []
         except TraceError as error:
             first = error
-        if data_dependent_construct(first) is None or any(
-                t.is_meta for t in (*model.parameters(), *inputs.tensors())):
+        if data_dependent_construct(first) is None or any(  # (no values to run the submodules on)
+                t.is_meta or is_fake(t) for t in (*model.parameters(), *inputs.tensors())):
             raise first
         add(culprit(first, model))
     last = first

@@ -15,15 +15,13 @@ submodule becomes one op of the graph instead (:class:`OpaqueModule`, kept whole
   alias nothing); the copy is part of what is measured.
 * **Measurement.** On fake tensors the op cannot run the submodule, so it replays what the
   submodule did on the example batch, measured once on real tensors with the exact storage
-  tracker (:func:`profile`): the outputs' shapes, the forward's high point, the storages its
-  graph keeps (and which inputs and outputs it saves), and the backward's high point. The
-  figures hold for the example's shapes (the capture is at those shapes; another shape is
-  another capture, measured on its own batch) and, where the submodule draws random numbers
-  (LayerDrop), for the draws the example made. Measured against the model's step: to the byte
-  where the submodule's parameters are its own; where a parameter it uses is also used outside
-  it (a tied embedding), the replay makes all its gradients at the end of its backward, when
-  the model makes them one at a time, and the accumulation into the shared parameter is priced
-  a little high (0.8% of the step on a 2-layer M2M100).
+  tracker (:func:`profile`): the outputs' layouts, the forward's high points before and after
+  its last saved tensor, the storages its graph keeps (and which inputs and outputs it
+  saves), the backward's high points before and after its outputs' gradients go, and which
+  inputs got gradients. The figures hold for the example's shapes (the capture is at those
+  shapes; another shape is another capture, measured on its own batch) and, where the
+  submodule draws random numbers (LayerDrop), for the draws the example made. The replay's
+  nodes and why they are ordered as they are: docs/design.md §11.
 
 A submodule qualifies when every output is a tensor or None (a Python value it computed
 from data would be frozen into the graph), it is called through its ``forward`` with no
