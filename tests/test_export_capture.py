@@ -140,12 +140,30 @@ def test_training_batch_norm_updates_its_statistics_once():
     assert abs(measured - predicted) <= 0.01 * predicted, (predicted, measured)
 
 
-def test_cumulative_batch_norm_is_refused_on_the_export_path():
+def test_cumulative_batch_norm_runs_as_one_op_on_the_export_path():
     """momentum=None averages with 1/num_batches_tracked: float() of a buffer, which torch.export
-    cannot capture; it is refused, not run with a factor baked in."""
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None), torch.nn.ReLU())
-    with pytest.raises(TraceError, match="torch.export cannot capture Sequential"):
-        ckptopt.trace(model, torch.randn(2, 3, 8, 8), capture="export")
+    cannot capture with the right factor for later steps. The BatchNorm runs as one op instead
+    (tracer/capture/opaque.py), reading its counter each step; checkpointed, its recomputation leaves
+    the statistics alone. Trained identically, buffers included, and predicted within the loss scalar."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, momentum=None), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3)).train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8, 8)
+    traced = ckptopt.trace(model, x, capture="export")
+    assert "reads a tensor's value" in traced.opaque_modules["1"]
+    plan = ckptopt.Plan(checkpoints=tuple(range(1, traced.costs.n)), peak_bytes=0, solver="test", solve_seconds=0.0,
+                        n=traced.costs.n)
+    module = ckptopt.apply_plan(model, traced, plan)
+    for _ in range(2):
+        for m in (reference, module):
+            m(x).pow(2).mean().backward()
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), model.parameters()))
+        for m in (reference, model):
+            m.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(reference.buffers(), model.buffers()))
+    predicted = ckptopt.simulate(traced.costs, plan.checkpoints).peak_bytes
+    assert 0 <= ckptopt.measure_peak(module, x) - predicted <= 8
 
 
 def _benchmark_hf_models():
