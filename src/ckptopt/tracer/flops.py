@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
 import torch
 from torch import nn
 
@@ -19,8 +23,6 @@ def forward_flops(module: nn.Module, args: list[torch.Tensor], static_inputs: It
     pooling), so that layers without a matmul do not look free to re-run. A
     submodule run as one op (:mod:`.capture.opaque`) counts what it counted when
     it ran on the example batch."""
-    from .capture.opaque import replayed_flops
-
     # with grad: under no_grad, FlopCounterMode's module tracker fails on a layer that returns a
     # parameter itself (it hooks outputs that require grad through a grad_fn no_grad withholds)
     with torch.enable_grad(), replayed_flops() as replayed:
@@ -33,8 +35,6 @@ def count_flops(run) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    from .capture.opaque import replaying
-
     extra = _extra_formulas()
 
     class _Elementwise(TorchDispatchMode):
@@ -43,7 +43,7 @@ def count_flops(run) -> int:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             if func._overloadpacket not in flop_registry and func._overloadpacket not in extra and not func.is_view \
-                    and not replaying():
+                    and not _counting_state().off:
                 _Elementwise.total += sum(t.numel() for t in tensor_leaves(out))
             return out
 
@@ -66,3 +66,42 @@ def _extra_formulas() -> dict:
     if op is not None:
         out[op] = lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v)
     return out
+
+
+# -- submodules run as one op (capture/opaque.py): their FLOPs come from the example's run ----------
+_state = threading.local()
+
+
+def _counting_state() -> Any:
+    if not hasattr(_state, "off"):
+        _state.off, _state.total = False, None
+    return _state
+
+
+@contextmanager
+def replayed_flops() -> Iterator[Any]:
+    """While active, :func:`add_replayed_flops` adds to a total; yields a function that gives it."""
+    state = _counting_state()
+    saved, state.total = state.total, 0
+    try:
+        yield lambda: state.total
+    finally:
+        state.total = saved
+
+
+def add_replayed_flops(n: int) -> None:
+    """A replayed submodule's forward FLOPs, counted where :func:`forward_flops` is counting."""
+    state = _counting_state()
+    if state.total is not None:
+        state.total += n
+
+
+@contextmanager
+def not_counted() -> Iterator[None]:
+    """Ops run meanwhile count no FLOPs (a replay's allocations compute nothing)."""
+    state = _counting_state()
+    saved, state.off = state.off, True
+    try:
+        yield
+    finally:
+        state.off = saved

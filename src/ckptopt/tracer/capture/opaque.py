@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ...storages import storage_identity
+from ..flops import add_replayed_flops, count_flops, not_counted
 from ...torch_utils import is_fake
 
 __all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible", "submodule_of_op",
@@ -152,7 +153,7 @@ class OpaqueCall:
         """The storages the forward keeps, after its high point up to its last saved tensor."""
         p, device = self.profile, tensors[0].device
         _count(self)
-        with _allocating():
+        with not_counted():
             kept = [torch.empty(b, dtype=torch.uint8, device=device) for b in p.kept]
         _touch(p.before_pack - sum(p.kept), device)
         return kept + [tensors[i] for i in p.saved_inputs]
@@ -162,7 +163,7 @@ class OpaqueCall:
         device = tensors[0].device if tensors else torch.device("cpu")
         buffers: dict[int, torch.Tensor] = {}
         outs = []
-        with _allocating():
+        with not_counted():
             for leaf in self.out_leaves:
                 if leaf.group not in buffers:
                     buffers[leaf.group] = torch.empty(leaf.group_bytes, dtype=torch.uint8, device=device)
@@ -182,7 +183,7 @@ def _view(buffer: torch.Tensor, leaf: _Leaf) -> torch.Tensor:
 def _touch(nbytes: int, device: torch.device) -> None:
     """Allocate ``nbytes`` and let them go (a high point the replay reaches)."""
     if nbytes > 0:
-        with _allocating():
+        with not_counted():
             torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
@@ -332,39 +333,9 @@ class _ReplayOutputs(torch.autograd.Function):
         return (None, None, torch.empty(0, device=ctx.device), *([None] * ctx.call.n_inputs))
 
 
-# -- the compute a replay stands for -----------------------------------------------------------------
-_counting = threading.local()
-
-
-@contextmanager
-def replayed_flops() -> Iterator[Any]:
-    """While active, each replayed forward adds the FLOPs its call counted on the example; yields a
-    function that gives the total."""
-    saved = getattr(_counting, "total", None)
-    _counting.total = 0
-    try:
-        yield lambda: _counting.total
-    finally:
-        _counting.total = saved
-
-
-def replaying() -> bool:
-    """Whether a replay is allocating now (its allocations compute nothing)."""
-    return getattr(_counting, "replaying", False)
-
-
-@contextmanager
-def _allocating() -> Iterator[None]:
-    _counting.replaying = True
-    try:
-        yield
-    finally:
-        _counting.replaying = False
-
-
 def _count(call: OpaqueCall) -> None:
-    if getattr(_counting, "total", None) is not None and call.profile is not None:
-        _counting.total += call.profile.flops
+    if call.profile is not None:
+        add_replayed_flops(call.profile.flops)
 
 
 # -- which submodule, and its example calls ---------------------------------------------------------
@@ -686,8 +657,6 @@ def opaque_note(calls: list[OpaqueCall]) -> str | None:
 
 def _example_flops(call: OpaqueCall, tensors: list[torch.Tensor], devices: list[int]) -> int:
     """The call's forward FLOPs on the example (its random state again), as a layer's are counted."""
-    from ..flops import count_flops
-
     with torch.random.fork_rng(devices=devices), torch.enable_grad(), _buffers_kept(call.module):
         _set_rng_state(call.rng, devices)
         return count_flops(lambda: call.run(tensors))
