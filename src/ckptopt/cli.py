@@ -161,7 +161,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"{args.model}: {tm.n} layers, inputs {shapes} ({args.dtype})")
     if tm.opaque_modules:
         for name, why in tm.opaque_modules.items():
-            print(f"  opaque layer {name}: {why if why.startswith('its forward reads') else f'FX could not trace into it ({why})'}")
+            said = why if why.startswith("its forward reads") else f"FX could not trace into it ({why})"
+            print(f"  opaque layer {name}: {said}")
     width = max(len(r["name"]) for r in rows)
     head = f"{'#':>4} {'layer':<{width}} {'op':<30} {'output':>11} {'saved':>11} {'of peak':>8}"
     print(head)

@@ -192,8 +192,8 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
     note = functions_note(gm)
     if note:
         notes.append(note)
-    one_op = {c.path: ONE_OP_REASON + (" (it draws random numbers: measured with the example's draws)" if c.random else "")
-              for c in made}
+    drawn = " (it draws random numbers: measured with the example's draws)"
+    one_op = {c.path: ONE_OP_REASON + (drawn if c.random else "") for c in made}
     return Captured(gm, "export", one_op, bind, lambda out: pytree.tree_unflatten(list(out), out_spec),
                     dynamic=dynamic, training=model.training, notes=notes)
 

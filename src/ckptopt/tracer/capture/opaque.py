@@ -43,11 +43,11 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ...storages import storage_identity
-from ..flops import add_replayed_flops, count_flops, not_counted
 from ...torch_utils import is_fake
+from ..flops import add_replayed_flops, count_flops, not_counted
 
-__all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible", "submodule_of_op",
-           "example_calls", "profile", "opaque_note", "starting_with", "forced"]
+__all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible",
+           "submodule_of_op", "example_calls", "profile", "opaque_note", "starting_with", "forced"]
 
 
 @dataclass
@@ -502,7 +502,8 @@ def example_calls(target: nn.Module, call_args: tuple, call_kwargs: dict,
         given = {storage_identity(t) for t in (*pytree.tree_leaves((args, kwargs)), *module.parameters())
                  if isinstance(t, torch.Tensor) and t.numel()}
         slots = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
-        calls[module].append(_Example(a, k, spec, slots, _layout([x for x in flat if isinstance(x, torch.Tensor)], given),
+        layout = _layout([x for x in flat if isinstance(x, torch.Tensor)], given)
+        calls[module].append(_Example(a, k, spec, slots, layout,
                                       rng, not _state_equal(_rng_state(devices), rng)))
 
     for m in modules:
@@ -605,7 +606,8 @@ def profile(call: OpaqueCall) -> None:
             with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 outs = call.run(tensors)
             forward_peak = tracker.peak_bytes - start
-            before_pack = max((b for _, _, b in tracker.timeline[first:max(last_pack[0], first)]), default=start) - start
+            upto = tracker.timeline[first:max(last_pack[0], first)]
+            before_pack = max((b for _, _, b in upto), default=start) - start
             out_keys = {storage_identity(o) for o in outs if o.numel()}
             kept = [b for key, b in tracker.storages.items() if key not in before and key not in out_keys]
             saved_inputs = tuple(k for k, t in enumerate(tensors) if t.numel() and storage_identity(t) in saved)
