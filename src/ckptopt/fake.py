@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -110,7 +111,10 @@ def _fake_deepcopy(obj: Any, mode: Any, memo: dict) -> Any:
 
     from torch._subclasses.fake_tensor import FakeCopyMode
 
-    with FakeCopyMode(mode):
+    with FakeCopyMode(mode), warnings.catch_warnings():
+        # torch 2.13 copies a pytree TreeSpec (a transformers model holds some) through its own
+        # deprecated isinstance(treespec, LeafSpec) check: its FutureWarning is not the user's business
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*deprecated", category=FutureWarning)
         return copy.deepcopy(obj, memo)
 
 
