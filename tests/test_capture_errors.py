@@ -486,3 +486,18 @@ def test_a_failure_inside_numpy_is_named_at_the_models_line_that_called_it():
         _calls_numpy_badly()
     where = source_line(info.value)
     assert "_calls_numpy_badly" in where and "np.put_along_axis" in where and "numpy/" not in where
+
+
+def test_a_construct_in_transformers_own_wrapper_is_not_named_as_the_models():
+    """FX fails on every transformers model in the library's output decorator (generic.py iterates
+    what the forward returns); where export fails on something else, its line (the model's) is named:
+    Wav2Vec2's SpecAugment masks with numpy in training."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.Wav2Vec2Config(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                      vocab_size=16, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2)
+    model = transformers.Wav2Vec2ForCTC(cfg).train()
+    with pytest.raises(TraceError) as info:
+        optimize_checkpoints(model, {"input_values": torch.randn(2, 2000)}, loss_fn=lambda out: out.logits.mean())
+    assert "modeling_wav2vec2.py" in str(info.value) and "generic.py" not in str(info.value)

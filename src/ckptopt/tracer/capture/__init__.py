@@ -140,7 +140,7 @@ def _both_failed(model: nn.Module, fx_exc: TraceError, ex_exc: TraceError) -> st
     fx_why = fx_why.split(". ")[0].rstrip(".") + (")" if fx_why.count("(") > fx_why.split(". ")[0].count(")") else "")
     ex_why = str(ex_exc).split(f"cannot capture {name}: ", 1)[-1]
     construct, by = data_dependent_construct(ex_exc), ex_exc
-    if construct is None:
+    if construct is None and not _in_library_wrapper(source_line(fx_exc.__cause__ or fx_exc)):
         construct, by = data_dependent_construct(fx_exc), fx_exc
     if construct is not None:  # (the line of the front end that met the construct)
         line = source_line(by.__cause__ or by) or source_line(ex_exc.__cause__ or ex_exc)
@@ -155,6 +155,13 @@ def _both_failed(model: nn.Module, fx_exc: TraceError, ex_exc: TraceError) -> st
             "forward exportable (tensors and plain Python values in, no data-dependent control flow; "
             "capture='export'), or pass leaf_modules=[...] naming the submodules FX cannot trace (capture='fx'), "
             f"or {own_checkpointing_hint(model)}.")
+
+
+def _in_library_wrapper(line: str | None) -> bool:
+    """Whether FX met its construct in a library's own decorator, not in the model's code: transformers'
+    output wrappers (``transformers/utils/generic.py``) iterate what every forward returns, which FX
+    cannot, so there the export's error is the one that names the model's line."""
+    return bool(line) and "transformers/utils/" in line
 
 
 @contextmanager
