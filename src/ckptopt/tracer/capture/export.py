@@ -253,10 +253,12 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
     """:func:`_export`, and where it stops on a submodule whose forward reads a tensor's value, again
     with that submodule run as one op (:mod:`.opaque`): ``(program, dynamic, the opaque calls)``.
 
-    The submodule is the innermost one on the failure's stack; every submodule of its class goes
-    with it (the decoder layers of a model branch alike), or its parent where it cannot be one op
-    (it returns a Python value). Such a capture is at the example's shapes, and needs the real
-    weights (the submodules run on the example batch); otherwise the first error stands."""
+    The submodule is the innermost one on the failure's stack (or, from :func:`~.opaque.forced`, the
+    one whose captured ops measurement could not follow); every submodule of its class goes with it
+    (the decoder layers of a model branch alike), or each one's nearest called parent where they
+    cannot be one op (one returns a Python value, takes a symbolic one, or is called through methods
+    of its own). Such a capture is at the example's shapes, and needs the real weights (the
+    submodules run on the example batch); otherwise the first error stands."""
     from ...torch_utils import data_dependent_construct
 
     classes: list[type] = []  # every submodule of these classes runs as one op
@@ -310,7 +312,8 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
             if refusal is not None:  # its submodules cannot be one op: each one's parent instead
                 cls = type(refusal.module)
                 refused.add(cls)
-                classes.remove(cls)
+                if cls in classes:
+                    classes.remove(cls)
                 for m in model.modules():
                     if type(m) is cls:
                         add(called(parent_of(m, model)))
