@@ -247,9 +247,9 @@ class CheckpointedModule(nn.Module):
                     continue
                 if n.op == "call_module":
                     tree = self.get_submodule(n.target)
-                elif n.op == "call_function" and submodule_of_op(n.target) is not None:
-                    tree = submodule_of_op(n.target)  # (a submodule run as one op: capture/opaque.py)
-                else:
+                else:  # (a submodule run as one op: capture/opaque.py)
+                    tree = submodule_of_op(n.target) if n.op == "call_function" else None
+                if tree is None:
                     continue
                 for mod in tree.modules():  # this module's tree
                     if isinstance(mod, nn.modules.batchnorm._BatchNorm) and id(mod) not in seen:

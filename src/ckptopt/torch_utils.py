@@ -150,7 +150,8 @@ def normalize_inputs(example_inputs: Any) -> Inputs:
 # --------------------------------------------------------------------------
 # why a run on fake tensors (or a capture) failed: the construct and its line
 # --------------------------------------------------------------------------
-def _chain(exc: BaseException | None) -> list[BaseException]:
+def exception_chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, innermost last (at most 8)."""
     out = []
     while exc is not None and exc not in out and len(out) < 8:
         out.append(exc)
@@ -164,7 +165,7 @@ def data_dependent_construct(exc: BaseException) -> str | None:
     forward that reads a value back from a tensor cannot be followed."""
     import re
 
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         name, text = type(e).__name__, str(e)
         if name == "GuardOnDataDependentSymNode" or "Could not guard on data-dependent expression" in text:
             m = re.search(r"data-dependent expression (.+?) \(unhinted", text)
@@ -238,7 +239,7 @@ def source_line(exc: BaseException | None = None, stack_trace: str | None = None
         if user:
             path, line, fn, code = user[-1]
             return fmt(path, int(line), fn, code.strip())
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         text = str(e)
         m = re.search(r'following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)\n\s+(.*)', text)
         if m:
@@ -246,7 +247,7 @@ def source_line(exc: BaseException | None = None, stack_trace: str | None = None
         m = re.search(r"Caused by: \((\S+?):(\d+) in (\S+)\)", text)
         if m and not _internal_path(m.group(1)):
             return fmt(_full_path(m.group(1)), int(m.group(2)), m.group(3), None)
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not _internal_path(f.filename)]
         if frames:
             f = frames[-1]

@@ -54,10 +54,10 @@ from torch.utils import _pytree as pytree
 
 from ...errors import TraceError
 from ...fake import device_meta_kernels, idle_module_to
-from ...torch_utils import Inputs, inspected_by_type, is_fake
+from ...torch_utils import Inputs, exception_chain, inspected_by_type, is_fake
 from .base import Captured, attr as _attr, resolves as _resolves
 from .blocks import group_leaf_calls, leaf_paths
-from .functions import functions_note, op_name_applying, opaque_functions
+from .functions import first_argument, functions_note, opaque_functions
 from .opaque import (NotOpaque, culprit, eligible, example_calls, forced, opaque_modules, opaque_note, parent_of,
                      profile)
 from .packing import PACKING_NOTE, check_packing, eager_packing
@@ -144,7 +144,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
         with opaque_functions():
             ep, dynamic, made = _export_past_values(target, model, inputs, notes, dynamic_shapes)
         for call in made:
-            call.used = _used_outputs(ep.graph, op_name_applying(call))
+            call.used = _used_outputs(ep.graph, call)
             profile(call)
     if made:
         notes.append(opaque_note(made))
@@ -327,24 +327,16 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
     raise last
 
 
-def _used_outputs(graph: fx.Graph, op_name: str | None) -> set[int] | None:
-    """The positions of the op's outputs the graph reads (None: the op is not in it; all are taken)."""
+def _used_outputs(graph: fx.Graph, call: Any) -> set[int] | None:
+    """The positions of the outputs of ``call``'s op the graph reads (None: the op is not in it)."""
     for n in graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "_opname", getattr(n.target, "__name__", "")) \
-                .split(".")[0] == op_name:
+        if n.op == "call_function" and first_argument(n.target) is call:
             return {u.args[1] for u in n.users if u.target is operator.getitem and u.users}
     return None
 
 
 def _cause_of(exc: BaseException, kind: type) -> BaseException | None:
-    seen = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        if isinstance(e, kind):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return next((e for e in exception_chain(exc) if isinstance(e, kind)), None)
 
 
 def _export(target: nn.Module, model: nn.Module, inputs: Inputs, notes: list[str],

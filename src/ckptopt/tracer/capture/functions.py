@@ -70,18 +70,10 @@ def functions_note(gm: Any) -> str | None:
 
 def first_argument(target: Any) -> Any:
     """The first non-tensor argument fixed in one of these ops (an opaque submodule's call), or None."""
-    name = getattr(target, "_opname", None)
+    name = getattr(target, "_opname", None) if getattr(target, "namespace", None) == NAMESPACE else None
     for call in list(_calls.values()):
         if call.name == name:
             return call.template[0] if call.template else None
-    return None
-
-
-def op_name_applying(first: Any) -> str | None:
-    """The name of the op whose call has ``first`` as its first argument (an opaque submodule's call)."""
-    for call in list(_calls.values()):
-        if call.template and call.template[0] is first:
-            return call.name
     return None
 
 

@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ...storages import storage_identity
-from ...torch_utils import is_fake
+from ...torch_utils import exception_chain, is_fake
 from ..flops import add_replayed_flops, count_flops, not_counted
 
 __all__ = ["OpaqueCall", "OpaqueModule", "NotOpaque", "opaque_modules", "culprit", "parent_of", "eligible",
@@ -98,7 +98,6 @@ class OpaqueCall:
     shapes: list[tuple[int, ...]]  # of the call's tensors, as captured
     param_names: list[str]
     out_spec: Any
-    out_template: list  # the output's pytree leaves, tensors replaced by None
     out_slots: list[int]
     out_leaves: list[_Leaf]
     example: list[torch.Tensor] | None = None  # the call's tensors on the example batch (until profiled)
@@ -133,7 +132,7 @@ class OpaqueCall:
         return list(args), dict(kwargs)
 
     def rebuild(self, outs: Any) -> Any:
-        leaves = list(self.out_template)
+        leaves: list = [None] * self.out_spec.num_leaves  # (the others are None)
         for i, t in zip(self.out_slots, outs):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, self.out_spec)
@@ -368,10 +367,7 @@ def culprit(exc: BaseException, model: nn.Module) -> nn.Module | None:
     """The innermost submodule of ``model`` (not the model itself) whose method is on the stack of
     ``exc`` or of an exception in its chain."""
     inside = {id(m): m for m in model.modules() if m is not model}
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in exception_chain(exc):
         found, tb = None, e.__traceback__
         while tb is not None:
             s = tb.tb_frame.f_locals.get("self")
@@ -380,16 +376,15 @@ def culprit(exc: BaseException, model: nn.Module) -> nn.Module | None:
             tb = tb.tb_next
         if found is not None:
             return found
-        e = e.__cause__ or e.__context__
     return None
 
 
 def submodule_of_op(target: Any) -> nn.Module | None:
     """The submodule an fx node target runs as one op, or None (the rewriter hooks its BatchNorms, so
     a recomputation does not update their running statistics twice)."""
-    from .functions import first_argument, is_opaque_function
+    from .functions import first_argument
 
-    call = first_argument(target) if is_opaque_function(target) else None
+    call = first_argument(target)
     return call.module if isinstance(call, OpaqueCall) else None
 
 
@@ -550,7 +545,6 @@ def opaque_modules(model: nn.Module, examples: dict[nn.Module, list[_Example]]) 
             names = [n for n, _ in module.named_parameters()]
             call = OpaqueCall(module, paths[module], spec, [None if i in slots else x for i, x in enumerate(flat)],
                               slots, [tuple(flat[i].shape) for i in slots], names, example.out_spec,
-                              [None] * example.out_spec.num_leaves,
                               example.out_slots, example.out_leaves, example=[known[i] for i in slots], rng=example.rng,
                               random=example.random, needs_grad=[flat[i].requires_grad for i in slots])
             made.append(call)
