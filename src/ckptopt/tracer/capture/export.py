@@ -298,9 +298,9 @@ def _export_past_values(target: nn.Module, model: nn.Module, inputs: Inputs, not
                 if why is not None:
                     raise NotOpaque(why, one)
             examples = example_calls(target, tuple(inputs.args), dict(inputs.kwargs), chosen)
-            for cls in classes:
-                if not any(examples[m] for m in chosen if type(m) is cls):  # (JetMoe's experts: called
-                    raise NotOpaque(f"{cls.__name__} is not called through its forward",  # through methods)
+            for cls in classes:  # (a class whose forward never ran: JetMoe's experts are called through methods)
+                if not any(examples[m] for m in chosen if type(m) is cls):
+                    raise NotOpaque(f"{cls.__name__} is not called through its forward",
                                     next(m for m in chosen if type(m) is cls))
             tried: list[str] = []
             with opaque_modules(model, examples) as made:
