@@ -16,9 +16,9 @@ recomputation each needs at the budget halfway between the lowest peak and no
 checkpointing.
 
 Recomputation is the forward compute re-run in backward (``ChainCosts.c``:
-FLOPs from ``torch.utils.flop_counter`` plus one per output element of other
-ops), reported as a share of a step taken as 3 x forward
-(``SimResult.recompute_share``).
+FLOPs from ``torch.utils.flop_counter``, other ops priced by their measured time
+per element, ``ckptopt.tracer.op_time``), reported as a share of a step's forward
+and backward compute (``SimResult.recompute_share``).
 
 Three points per model (lowest peak, middle, no recomputation) are measured:
 the plan is applied and one training step is run on fake tensors with the exact

@@ -61,7 +61,7 @@ PARTS = [  # (part, module, attribute)
     ("propagate", "ckptopt.tracer.chain", "_propagate"),
     ("cuts", "ckptopt.tracer.chain._Grouping", "groups"),
     ("measure", "ckptopt.tracer.layers", "measure_layer"),
-    ("measure", "ckptopt.tracer.layers", "forward_flops"),
+    ("measure", "ckptopt.tracer.layers", "layer_compute"),
     ("crossing trials", "ckptopt.tracer.chain", "solves_within"),
     ("solve", "ckptopt.api", "solve"),
     ("solve", "ckptopt.planning.estimate", "solve"),

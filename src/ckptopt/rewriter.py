@@ -426,7 +426,8 @@ class CheckpointedModule(nn.Module):
                 what = "not wrapped: keeps what its layers save, no recomputation"
             lines.append(f"  segment {k}: layers {first}-{last} ({names}): {what}")
         step = ("measured forward + backward, predicted "
-                f"{1e3 * sim.recompute_seconds:.2f} ms" if sim.recompute_seconds is not None else "3x forward")
+                f"{1e3 * sim.recompute_seconds:.2f} ms" if sim.recompute_seconds is not None else
+                "counted forward + backward" if costs.cb is not None else "3x forward")
         added = (f"recomputation {100.0 * sim.recompute_share:.1f}% of a step's compute ({step})"
                  if not sim.segment_overhead else
                  f"recomputation and the segments' fixed cost {100.0 * sim.recompute_share:.1f}% of a step's "

@@ -84,13 +84,14 @@ def _affine(c1: dict, c2: dict, b1: int, b2: int) -> tuple[dict, dict] | None:
         return None
     slope["static"] = d // (b2 - b1)
     icpt["static"] = int(c1["static"]) - slope["static"] * b1
-    if "compute" in c1 and "compute" in c2:  # FLOPs per layer: affine when they can be, else as at b1
-        diffs = [int(v2) - int(v1) for v1, v2 in zip(c1["compute"], c2["compute"])]
-        if all(x % (b2 - b1) == 0 for x in diffs):
-            slope["compute"] = [x // (b2 - b1) for x in diffs]
-            icpt["compute"] = [int(v1) - s * b1 for v1, s in zip(c1["compute"], slope["compute"])]
-        else:
-            slope["compute"], icpt["compute"] = [0] * len(diffs), [int(v) for v in c1["compute"]]
+    for k in ("compute", "backward_compute"):  # compute per layer: affine when it can be, else as at b1
+        if k in c1 and k in c2:
+            diffs = [int(v2) - int(v1) for v1, v2 in zip(c1[k], c2[k])]
+            if all(x % (b2 - b1) == 0 for x in diffs):
+                slope[k] = [x // (b2 - b1) for x in diffs]
+                icpt[k] = [int(v1) - s * b1 for v1, s in zip(c1[k], slope[k])]
+            else:
+                slope[k], icpt[k] = [0] * len(diffs), [int(v) for v in c1[k]]
     return icpt, slope
 
 
@@ -229,8 +230,9 @@ class BatchCosts:
         if self.names is not None:
             d["names"] = list(self.names)
         traced = self._traced[self._fit_batch].costs.to_dict()
-        if "compute" in icpt:
-            d["compute"] = [max(0, i + s * batch) for i, s in zip(icpt["compute"], slope["compute"])]
+        for k in ("compute", "backward_compute"):
+            if k in icpt:
+                d[k] = [max(0, i + s * batch) for i, s in zip(icpt[k], slope[k])]
         for k in ("compute_unit", "segment_cost"):  # (a segment's fixed cost does not grow with the batch)
             if k in traced:
                 d[k] = traced[k]

@@ -19,14 +19,13 @@ from torch import nn
 
 from ..torch_utils import check_module, is_fake, no_lasting_state, resolve_device
 from ..storages import storage_bytes
-from .flops import forward_flops
 from .layer_figures import (BackwardTimelines, ForwardFigures, backward_figures, dying_gains, first_read_figures,
                             forward_figures, held_output_gain, release_splits, saved_set)
 from .layer_grads import autocast_weight_casts
 from .layer_record import LayerRecord
 from .layer_run import GradientPlan, LayerRun, list_input_copy, record_layer
 
-__all__ = ["LayerMeasurement", "LayerContext", "measure_layer", "forward_flops"]
+__all__ = ["LayerMeasurement", "LayerContext", "measure_layer"]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from ..storages import storage_identity, storage_nbytes
 from ..torch_utils import tensor_leaves
 from .capture import module_path
 from .cuts import WithLoss, op_label, subgraph_module
-from .layer_costs import LayerMeasurement, forward_flops, measure_layer
+from .flops import layer_compute
+from .layer_costs import LayerMeasurement, measure_layer
 from .layer_key import layer_key
 from .side_tensors import Crossings
 
@@ -49,9 +50,8 @@ class Layer:
     input_node: str
     output_node: str
     costs: LayerMeasurement  #: the measured chain-model quantities
-    #: forward compute (the cost model's ``c``): floating-point operations from ``torch.utils.flop_counter``,
-    #: plus one per output element of every other non-view op (elementwise ops, norms, pooling)
-    flops: int = 0
+    flops: int = 0  #: forward compute, the cost model's ``c`` (:func:`.flops.layer_compute`)
+    backward_flops: int = 0  #: backward compute in the same unit, the cost model's ``cb``
     #: static values the layer also reads (inputs that need no gradient, masks computed from them): held for
     #: the whole step, not checkpoints
     static_inputs: tuple[str, ...] = ()
@@ -100,7 +100,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
                 index=j, name=name, nodes=tuple(n.name for n in b.members),
                 ops=tuple(op_label(fake_gm, n) for n in b.members),
                 input_node=b.x_node.name if b.x_node is not None else "", output_node=out_name, costs=cost,
-                flops=m.forward_flops(b, x, [values[n] for n in b.side_in + b.statics]),
+                **m.compute(b, x, [values[n] for n in b.side_in + b.statics]),
                 static_inputs=tuple(s.name for s in b.statics), side_inputs=tuple(n.name for n in b.side_in),
                 side_outputs=tuple(n.name for n in b.side_out)))
         if single_output:
@@ -166,12 +166,13 @@ def _loss_layer(layers: list[Layer], y: Any, model_output: fx.Node, loss_fn: Cal
     m = measure_layer(loss, y, keep_input=bool(not layers or layers[-1].costs.sout),
                       static_input=bool(layers and layers[-1].costs.out_static))
     return Layer(index=len(layers), name="loss", nodes=("<loss>",), ops=("loss",), input_node=model_output.name,
-                 output_node="<loss>", costs=m, flops=forward_flops(loss, [y]))
+                 output_node="<loss>", costs=m, **dict(zip(_COMPUTE, layer_compute(loss, [y]))))
 
 
 #: Whether layers with equal keys (:func:`~ckptopt.tracer.layer_key.layer_key`) share one measurement; off
 #: only to check that sharing changes no figure (tests/test_layer_key.py).
 SHARE_MEASUREMENTS = True
+_COMPUTE = ("flops", "backward_flops")  # the Layer fields layer_compute's figures go to
 
 
 class _Measurer:
@@ -181,7 +182,7 @@ class _Measurer:
                  memo: dict):
         self.crossings, self.values, self.param_owner, self.built, self.found = crossings, values, param_owner, built, found
         self.layers: list[Layer] = []
-        self.memo = memo  # layer_key -> LayerMeasurement, and ("flops", layer_key) -> forward FLOPs
+        self.memo = memo  # layer_key -> LayerMeasurement, and ("flops", layer_key) -> (forward, backward) compute
         self.held_out: dict[int, bool] = {}  # whether each layer was measured with its output gradient held
         self.side: list[SideTensor] = []
         self.grad_store: list[int] = []
@@ -195,15 +196,16 @@ class _Measurer:
         self.found.note(j, self.built[j], self.crossings.io[j], m)  # (as it goes: the release splits as b)
         return m
 
-    def forward_flops(self, b: "_Built", x: list, others: list) -> int:
-        """The layer's forward FLOPs, counted once per distinct layer (:func:`layer_key`)."""
+    def compute(self, b: "_Built", x: list, others: list) -> dict:
+        """The layer's forward and backward compute (:class:`Layer`'s ``flops``, ``backward_flops``), counted
+        once per distinct layer (:func:`layer_key`)."""
         key = layer_key(b.module, x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
-        if key is None:
-            return forward_flops(b.module, x, others)
-        key = ("flops", key)
-        if key not in self.memo:
-            self.memo[key] = forward_flops(b.module, x, others)
-        return self.memo[key]
+        if key is None or ("flops", key) not in self.memo:
+            figures = layer_compute(b.module, x, others)
+            if key is None:
+                return dict(zip(_COMPUTE, figures))
+            self.memo["flops", key] = figures
+        return dict(zip(_COMPUTE, self.memo["flops", key]))
 
     def measure_again(self, j: int, args: dict) -> None:
         self.layers[j] = dataclasses.replace(self.layers[j], costs=self.measure(j, **args))
