@@ -590,6 +590,36 @@ def fast_recompute(r: Results) -> str:
         source(r, "compute_cost/latest.json"))
 
 
+def fast_op_time(r: Results) -> str:
+    d = r("op_time/latest.json")
+    t = d["table"]
+    rate = t["product_flops_per_second"]
+    spread = d["per_model_ns_per_element"]
+    ranked = sorted(t["ns_per_element"].items(), key=lambda kv: -kv[1])
+    rows = []
+    for op, ns in ranked[:OP_TIME_ROWS]:
+        lo, hi = min(spread[op].values()), max(spread[op].values())
+        rows.append([f"`{op}`", f"{ns:.2f}", f"{ns * 1e-9 * rate:.0f}", f"{lo:.2f}–{hi:.2f}", len(spread[op])])
+    return block(
+        "### What an operator costs besides its FLOPs",
+        "A layer's compute (`ChainCosts.c`, and its backward `cb`) counts the FLOPs of products, convolutions and "
+        "attention, and prices every other operator by its time per element on the device type, converted to "
+        "FLOP-equivalents at the product rate of the same run (`ckptopt/tracer/op_time.py`, docs/design.md §3 "
+        "\"Compute\"). Until this table, each such element counted one FLOP. Measured on one thread over a "
+        f"training step of {len(d['per_model_seconds'])} models ({', '.join(d['per_model_seconds'])}), "
+        f"{d['steps']} steps each: products {rate / 1e9:.1f} GFLOP/s; a call's fixed cost "
+        f"({1e6 * t['seconds_per_call']:.1f} µs with the timing mode, a view's time) taken off each call. The "
+        f"{OP_TIME_ROWS} dearest per element of {len(ranked)} operators (the rest, and those seen only on small "
+        f"tensors, {', '.join(f'`{x}`' for x in t['left_out'])}, are in the file; an operator the table does not "
+        "list is priced at its median):",
+        table(["operator", "ns per element", "FLOP-equivalents per element", "range over models (ns)", "models"],
+              rows),
+        source(r, "op_time/latest.json"))
+
+
+OP_TIME_ROWS = 16
+
+
 def _ratio(x, digits: int = 3) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
@@ -1211,7 +1241,7 @@ SECTIONS: list[tuple[str, str, list[Callable[[Results], str]]]] = [
     ("How fast?",
      "Planning time (solvers, tracing, the plan check) and what a plan costs in step time. Times depend on the "
      "machine and its load; memory figures do not.",
-     [fast_solvers, fast_tracing, fast_planning, fast_recompute, fast_frontier, fast_frontier_eager]),
+     [fast_solvers, fast_tracing, fast_planning, fast_recompute, fast_op_time, fast_frontier, fast_frontier_eager]),
     ("How large?",
      "Full-size models are planned on the meta device, without their weights; per-rank figures price one rank of "
      "DDP or FSDP2 from one trace.",

@@ -69,8 +69,8 @@ class SimResult:
     @property
     def recompute_share(self) -> float:
         """What the plan adds (recomputation and its segments' fixed cost) as a share of one training
-        step without it: the step's measured forward + backward when the costs carry backward costs,
-        else 3 x forward (backward ~ 2 x forward)."""
+        step without it: the step's forward + backward (counted by the tracer, or measured by the
+        calibration) when the costs carry backward costs, else 3 x forward (backward ~ 2 x forward)."""
         step = self.step_flops or 3 * self.forward_flops
         return (self.recompute_flops + self.segment_overhead) / step if step else 0.0
 
