@@ -49,7 +49,9 @@ no optimizer step, so what differs between methods is activation memory and reco
   rewriter (one unwrapped segment), which should cost nothing against the model itself. The
   wrappers share the model's parameters. Each ckptopt row records the plan's predicted peak and
   predicted recomputation share (of a step, from the traced FLOPs), and ``1 + share`` as the FLOP-based
-  predicted time ratio, beside the measured ones. A budget plan that equals one already made is timed
+  predicted time ratio, beside the measured ones. ``--one-per-element`` adds ``ckptopt-1pe@<peer>``: the
+  plan the same search chooses with every element of an operator without a FLOP formula counted as one
+  FLOP (the compute count before ``ckptopt.tracer.op_time``), timed beside the rest. A budget plan that equals one already made is timed
   once (``same_plan_as``).
 
 Peaks: eager methods with ckptopt's exact storage tracker (``ckptopt.measure_peak``: parameters, buffers
@@ -442,35 +444,44 @@ def _ckptopt_row(module, seconds: float) -> dict:
 
 
 def ckptopt_methods(name: str, model, batch: dict, peers: list[Method], static: int, profile: bool,
-                    budget_peers=None) -> list[Method]:
+                    budget_peers=None, one_per_element: bool = False) -> list[Method]:
     """``ckptopt`` (lowest peak) and ``ckptopt@<peer>`` at each measured peer's peak (``budget=``; only
     the peers named in ``budget_peers`` when given); a plan equal to an earlier one is timed once
-    (``same_plan_as``)."""
+    (``same_plan_as``). With ``one_per_element``, also ``ckptopt-1pe@<peer>``: the plan chosen with every
+    element of an operator without a FLOP formula counted as one FLOP (``ckptopt.tracer.op_time.PRICED``
+    off: the compute count before the table), timed beside the others where it differs."""
     from ckptopt import InfeasibleBudget, optimize_checkpoints
+    from ckptopt.tracer import op_time
 
     # (at the plain model's peak: a plan that recomputes nothing, through the rewriter)
-    targets = [("ckptopt", None, None)] + [(f"ckptopt@{p.name}", p.name, p.row["peak_bytes"])
-                                           for p in peers if "peak_bytes" in p.row
-                                           and (budget_peers is None or p.name in budget_peers)]
+    peers_in = [p for p in peers if "peak_bytes" in p.row and (budget_peers is None or p.name in budget_peers)]
+    targets = [("ckptopt", "ckptopt", None, None)] + [(f"ckptopt@{p.name}", "ckptopt", p.name, p.row["peak_bytes"])
+                                                      for p in peers_in]
+    if one_per_element:
+        targets += [(f"ckptopt-1pe@{p.name}", "ckptopt-1pe", p.name, p.row["peak_bytes"])
+                    for p in peers_in if p.name != "none"]
     out: list[Method] = []
     by_plan: dict[tuple, Method] = {}
-    for label, peer, budget in targets:
+    for label, family, peer, budget in targets:
         t0 = time.perf_counter()
+        op_time.PRICED = family != "ckptopt-1pe"
         try:
             module = optimize_checkpoints(model, batch, budget=budget, in_place=False)
         except InfeasibleBudget as exc:
-            out.append(Method(name, label, "ckptopt", None, model,
+            out.append(Method(name, label, family, None, model,
                               dict(budget_bytes=budget, budget_from=peer, error=f"InfeasibleBudget: {exc}"[:600])))
             continue
+        finally:
+            op_time.PRICED = True
         row = dict(budget_bytes=budget, budget_from=peer, **_ckptopt_row(module, time.perf_counter() - t0))
         key = (tuple(row["plan"]), tuple(row["stored"]))
         if key in by_plan:
             first = by_plan[key]
             row.update({k: first.row[k] for k in first.row if k.startswith("peak") or k.startswith("profiler")})
             row["same_plan_as"] = first.name
-            out.append(Method(name, label, "ckptopt", None, model, row))
+            out.append(Method(name, label, family, None, model, row))
             continue
-        m = _eager(name, label, "ckptopt", module, batch, static, profile)
+        m = _eager(name, label, family, module, batch, static, profile)
         m.row = dict(row, **m.row)
         by_plan[key] = m
         out.append(m)
@@ -534,7 +545,7 @@ def ckptopt_compiled_methods(name: str, model, batch: dict, peers: list[Method],
 
 
 def prepare_model(name: str, s: dict, budgets, compile_index: int, profile: bool = True,
-                  budget_peers=None) -> tuple[list[Method], dict]:
+                  budget_peers=None, one_per_element: bool = False) -> tuple[list[Method], dict]:
     """Every method of one model, each measured once; the model's record (sizes, ops, notes)."""
     t0 = time.perf_counter()
     model, batch = build(name, s)
@@ -544,7 +555,7 @@ def prepare_model(name: str, s: dict, budgets, compile_index: int, profile: bool
     print(f"{name}: eager peers measured ({time.perf_counter() - t0:.0f} s)", flush=True)
     peers += compiled_methods(name, model, batch, static, budgets, compile_index)
     print(f"{name}: compiled ({time.perf_counter() - t0:.0f} s)", flush=True)
-    ours = ckptopt_methods(name, model, batch, peers, static, profile, budget_peers)
+    ours = ckptopt_methods(name, model, batch, peers, static, profile, budget_peers, one_per_element)
     print(f"{name}: ckptopt planned and measured ({time.perf_counter() - t0:.0f} s)", flush=True)
     if budgets:
         ours += ckptopt_compiled_methods(name, model, batch, peers, static, compile_index + len(budgets))
@@ -705,14 +716,15 @@ def uptime() -> str:
 
 
 def run(models: list[str], small: bool = False, rounds: int = 15, budgets=BUDGETS, profile: bool = True,
-        budget_peers=None, max_minutes: float | None = None) -> dict:
+        budget_peers=None, max_minutes: float | None = None, one_per_element: bool = False) -> dict:
     """The benchmark's core: every model prepared (all kept in memory), then the interleaved rounds
     (none begun after ``max_minutes`` from the start); the rows and per-model records (no files written)."""
     t_start = time.perf_counter()
     s = SMALL if small else FULL
     methods, infos = [], []
     for i, name in enumerate(models):
-        ms, info = prepare_model(name, s, budgets, compile_index=100 * i, profile=profile, budget_peers=budget_peers)
+        ms, info = prepare_model(name, s, budgets, compile_index=100 * i, profile=profile, budget_peers=budget_peers,
+                                 one_per_element=one_per_element)
         methods += ms
         infos.append(info)
     t_warm = time.perf_counter()
@@ -758,6 +770,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-minutes", type=float, help="begin no round after this many minutes from the start")
     ap.add_argument("--out", help="default benchmarks/results/frontier/latest[-small].json")
     ap.add_argument("--replot", action="store_true", help="only redraw the figure from the result file (--out)")
+    ap.add_argument("--one-per-element", action="store_true",
+                    help="also time ckptopt's budget plans chosen with every element of an operator without a FLOP "
+                         "formula counted as one FLOP (the compute count before ckptopt.tracer.op_time)")
     args = ap.parse_args(argv)
     models = [ALIASES.get(m.lower(), m) for m in args.models]
     out = args.out or result_path(BENCH, "small" if args.small else None)
@@ -777,11 +792,12 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     load_before, t0 = uptime(), time.perf_counter()
     res = run(models, small=args.small, rounds=args.rounds, budgets=() if args.no_compile else args.budgets,
-              max_minutes=args.max_minutes)
+              max_minutes=args.max_minutes, one_per_element=args.one_per_element)
     meta = run_metadata(BENCH, "cpu")
     import resource
 
     meta.update(transformers=transformers.__version__, rounds=res["rounds"], rounds_requested=args.rounds,
+                one_per_element=args.one_per_element,
                 small=args.small, max_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                 compile_budgets=[] if args.no_compile else args.budgets, load_before=load_before,
                 load_after=uptime(), wall_seconds=round(time.perf_counter() - t0, 1),

@@ -645,7 +645,7 @@ def _against_peers(mine: list[dict]) -> str:
     by = {x["method"]: x for x in mine}
     rows = []
     for x in mine:
-        if x["family"] in ("none", "ckptopt", "ckptopt-compiled") or "time_vs_none" not in x:
+        if x["family"] in ("none", "ckptopt", "ckptopt-compiled", "ckptopt-1pe") or "time_vs_none" not in x:
             continue
         for fam in ("ckptopt", "ckptopt-compiled"):
             ours = by.get(f"{fam}@{x['method']}")
@@ -725,6 +725,9 @@ def fast_frontier_eager(r: Results) -> str:
             mine = [x for x in d["rows"] if x["model"] == info["model"]]
             parts.append(f"**{info['model']}** ({info['sizes_text']}; {d['rounds']} rounds; {load})")
             parts.append(_against_peers(mine))
+            priced = _priced_against_one_per_element(mine)
+            if priced:
+                parts.append(priced)
             nothing = next((x for x in mine if x["method"] == "ckptopt@none" and "time_vs_none" in x), None)
             if nothing is not None:
                 parts.append(f"A plan that recomputes nothing (ckptopt at the plain model's peak: "
@@ -740,6 +743,36 @@ def fast_frontier_eager(r: Results) -> str:
                                  "the plain step, a sign that the run's plain median is high, which moves its "
                                  "predictions over together" if slow else "") + ".")
     return block(*parts)
+
+
+def _priced_against_one_per_element(mine: list[dict]) -> str:
+    """The budget plans chosen with operators priced by their measured time against those chosen with one
+    FLOP per element (``--one-per-element``), timed in the same rounds."""
+    by = {x["method"]: x for x in mine}
+    rows = []
+    for x in mine:
+        if x["family"] != "ckptopt-1pe":
+            continue
+        peer = x["budget_from"]
+        ours = by.get(f"ckptopt@{peer}")
+        if ours is None or "time_vs_none" not in ours:
+            continue
+        same = x.get("same_plan_as")
+        old = by.get(same, x) if same else x
+        if "time_vs_none" not in old:
+            continue
+        rows.append([peer, f"{times(ours['time_vs_none'])} ({pct(ours['predicted_recompute_share'], 1, False)}, "
+                           f"{ours['segments']} segments)",
+                     "same plan" if same == ours["method"] else
+                     f"{times(old['time_vs_none'])} ({x['segments']} segments)",
+                     times(ours["time_vs_none"] / old["time_vs_none"])])
+    if not rows:
+        return ""
+    return ("At each peer's peak, the plan chosen with operators priced by their measured time (the table above, "
+            "predicted share in brackets) against the plan the same search chose with every element of such an "
+            "operator counted as one FLOP (the count before that table; `--one-per-element`), timed in the same "
+            "rounds:\n\n" + table(["peak of", "priced: time", "one per element: time", "priced / one per element"],
+                                   rows))
 
 
 def time_prediction_errors(rows: list[dict]) -> list[tuple[str, str, float]]:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from ..torch_utils import tensor_leaves
+from . import op_time
 from .op_time import device_type_of, elements, weights_for
 
 __all__ = ["forward_flops", "layer_compute"]
@@ -43,7 +42,9 @@ def layer_compute(module: nn.Module, args: list[torch.Tensor], static_inputs: It
         def run():
             result["out"] = module(*inputs, *others)
 
-        forward = count_flops(run) + replayed()
+        counted = count_flops(run)
+        replayed_forward = replayed()
+        forward = counted + replayed_forward
         if not backward:
             return forward, 0
         outs = [t for t in tensor_leaves(result.pop("out")) if t.requires_grad]
@@ -51,9 +52,8 @@ def layer_compute(module: nn.Module, args: list[torch.Tensor], static_inputs: It
         if not outs or not wrt:
             return forward, 0
         seeds = [torch.ones_like(t) for t in outs]
-        again = replayed()
         counted = count_flops(lambda: torch.autograd.grad(outs, wrt, seeds, allow_unused=True))
-        return forward, counted + 2 * again
+        return forward, counted + 2 * replayed_forward
 
 
 def _leaf(t: Any, clone: bool) -> Any:
@@ -85,7 +85,7 @@ def count_flops(run) -> int:
             name = str(func._overloadpacket)
             if name not in products and not func.is_view and not _counting_state().off:
                 device = device_type_of(out)
-                weights = weights_for(device) if device is not None else None
+                weights = weights_for(device) if device is not None and op_time.PRICED else None
                 n = elements(name, (args, kwargs), out)
                 _Elementwise.total += n * weights.weight(name) if weights is not None else n
             return out
@@ -108,7 +108,7 @@ def _extra_formulas() -> dict:
     """Formulas ``torch.utils.flop_counter`` lacks: CPU's fused attention
     (``_scaled_dot_product_flash_attention_for_cpu``, what SDPA runs on CPU) and its backward, priced
     as the CUDA flash kernels are. Without it a CPU attention counts one FLOP per output element, and
-    a plan that re-runs every attention looks free (issue 40)."""
+    a plan that re-runs every attention looks free."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     aten = torch.ops.aten

@@ -26,7 +26,11 @@ import torch
 
 from ..torch_utils import tensor_leaves
 
-__all__ = ["OpWeights", "weights_for", "elements", "GATHERS"]
+__all__ = ["OpWeights", "weights_for", "elements", "GATHERS", "PRICED"]
+
+#: Whether operators without a FLOP formula are priced by the table; off only to compare with counting one
+#: per element, the count before the table (``python -m benchmarks.frontier --one-per-element``).
+PRICED = True
 
 #: Operators that read only the rows they index: their time follows their output, not their (table) input.
 GATHERS = frozenset({"aten.embedding", "aten.index", "aten.index_select", "aten.gather", "aten.take",
