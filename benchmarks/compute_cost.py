@@ -1,10 +1,10 @@
 """The compute cost ``c`` of the cost model against measured CPU time.
 
 ``ChainCosts.c`` (what the least-recomputation and budget solvers minimize,
-and what ``SimResult.recompute_flops`` / ``recompute_share`` report) is an
-analytic count: FLOPs from ``torch.utils.flop_counter`` plus one per output
-element of every other non-view op. This benchmark checks it two ways on real
-CPU tensors:
+and what ``SimResult.recompute_flops`` / ``recompute_share`` report) is a
+count: FLOPs from ``torch.utils.flop_counter`` for products, every other
+non-view op priced by its measured time per element (``ckptopt.tracer.op_time``).
+This benchmark checks it two ways on real CPU tensors:
 
 1. **Per layer.** Every FX node of the traced model is timed while the
    forward runs (an ``fx.Interpreter``, no grad, median of ``--rounds``
