@@ -714,11 +714,14 @@ def fast_frontier_eager(r: Results) -> str:
              "selective-checkpointing peak, `docs/design.md` §1 (\"What the plan space does not have yet\") says "
              "which products its plan re-runs and the action that would keep their outputs."]
     every_row = []
+    before_table = []  # runs whose predictions counted one FLOP per element of other operators
     for name in EAGER_FRONTIER:
         rel = f"frontier/eager-{name}.json"
         d = r(rel)
         every_row += d["rows"]
         m = meta_of(d)
+        if "one_per_element" not in m:
+            before_table += [info["model"] for info in d["models"]]
         load = (f"load before `{m.get('load_before', '?').split('load average:')[-1].strip()}`, after "
                 f"`{m.get('load_after', '?').split('load average:')[-1].strip()}`")
         for info in d["models"]:
@@ -738,7 +741,9 @@ def fast_frontier_eager(r: Results) -> str:
     line = _time_prediction(every_row)
     slow = sorted({x["model"] for x in every_row  # a plan that recomputes faster than the plain step
                    if x.get("family") != "none" and x.get("time_vs_none", 1.0) < 0.97})
-    parts.append("Over the four runs: " + line[0].lower() + line[1:] + " Each ratio is against the same run's "
+    when = (f" The runs of {', '.join(before_table)} predate the op-time table: their predictions count one "
+            "FLOP per element of an operator without a FLOP formula." if before_table else "")
+    parts.append("Over the four runs: " + line[0].lower() + line[1:] + when + " Each ratio is against the same run's "
                  "plain step" + (f"; in {', '.join(slow)} a checkpointing method measured more than 3% faster than "
                                  "the plain step, a sign that the run's plain median is high, which moves its "
                                  "predictions over together" if slow else "") + ".")
