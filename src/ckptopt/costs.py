@@ -29,12 +29,13 @@ simulator does), except that their gradients are in ``b`` where the layer
 creates them.
 
 Both forms take an optional ``c[i]``: the forward compute cost of layer ``i``
-(the tracer fills it with FLOPs; any non-negative integer unit works). It does
+(the tracer fills it with FLOPs, other operators at their measured time per element,
+:mod:`ckptopt.tracer.op_time`; any non-negative integer unit works). It does
 not change a peak; the simulator reports the recomputation a plan adds in this
 unit and the least-recomputation solvers minimize it. Without it every layer
 costs 1, so "least recomputation" means "fewest layers run again". An optional
-``cb[i]``, the backward cost in the same unit, makes a step cost ``sum(c + cb)``
-instead of ``3 sum(c)``; ``unit`` names the unit (``"flops"``, or ``"ns"`` for
+``cb[i]``, the backward cost in the same unit (the tracer counts it as it counts ``c``),
+makes a step cost ``sum(c + cb)`` instead of ``3 sum(c)``; ``unit`` names the unit (``"flops"``, or ``"ns"`` for
 times measured on a device by :mod:`ckptopt.calibration`).
 
 **Additive form** (the form the O(n) solver is exact for, :data:`ckptopt.cost_fields.ADDITIVE`):
