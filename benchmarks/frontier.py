@@ -776,7 +776,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     models = [ALIASES.get(m.lower(), m) for m in args.models]
     out = args.out or result_path(BENCH, "small" if args.small else None)
-    png = os.path.join(os.path.dirname(out), "frontier" + ("-small" if args.small else "") + ".png")
+    # (a run given its own --out draws beside it under its own name: the default run's figure stays)
+    png = (os.path.splitext(out)[0] + ".png" if args.out else
+           os.path.join(os.path.dirname(out), "frontier" + ("-small" if args.small else "") + ".png"))
     if args.replot:
         import json
 
