@@ -581,7 +581,10 @@ def fast_recompute(r: Results) -> str:
         "Step time of each plan relative to no checkpointing: predicted from the traced FLOPs, predicted from "
         f"calibrated layer times (`ckptopt.calibration`), and measured (medians of {tc['rounds']} interleaved "
         f"rounds). Median |predicted − measured|: {s['flops']['median_abs_error']:.3f} from FLOPs, "
-        f"{s['calibrated']['median_abs_error']:.3f} calibrated.",
+        f"{s['calibrated']['median_abs_error']:.3f} calibrated."
+        + (" This run predates the op-time table (\"What an operator costs besides its FLOPs\" below): its FLOP "
+           "column counts one FLOP per element of an operator without a FLOP formula."
+           if meta_of(tc).get("date", "") < OP_TIME_SINCE else ""),
         table(["model", "plan", "FLOPs", "calibrated", "measured"], trows),
         source(r, "time_calibration/latest.json"),
         "How well the FLOP count `c` ranks layer times, and each plan's re-run share against its measured overhead:",
@@ -618,6 +621,7 @@ def fast_op_time(r: Results) -> str:
 
 
 OP_TIME_ROWS = 16
+OP_TIME_SINCE = "2026-11-29"  # runs from this date on price operators by benchmarks/op_time.py's table
 
 
 def _ratio(x, digits: int = 3) -> str:
