@@ -200,11 +200,10 @@ class _Measurer:
         """The layer's forward and backward compute (:class:`Layer`'s ``flops``, ``backward_flops``), counted
         once per distinct layer (:func:`layer_key`)."""
         key = layer_key(b.module, x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
-        if key is None or ("flops", key) not in self.memo:
-            figures = layer_compute(b.module, x, others)
-            if key is None:
-                return dict(zip(_COMPUTE, figures))
-            self.memo["flops", key] = figures
+        if key is None:
+            return dict(zip(_COMPUTE, layer_compute(b.module, x, others)))
+        if ("flops", key) not in self.memo:
+            self.memo["flops", key] = layer_compute(b.module, x, others)
         return dict(zip(_COMPUTE, self.memo["flops", key]))
 
     def measure_again(self, j: int, args: dict) -> None:
