@@ -2,6 +2,7 @@
 
     python -m benchmarks.op_time                 # -> benchmarks/results/op_time/latest.json
     python -m benchmarks.op_time --write-table   # also src/ckptopt/data/op_time_<device>.json
+    python -m benchmarks.op_time --fresh-pages   # what first-touch memory costs -> latest-fresh-pages.json
 
 The tracer prices a layer's compute (``ChainCosts.c``, ``cb``) as the FLOPs of its products plus, for
 every other operator, its time per element converted to FLOP-equivalents at the product rate
@@ -128,15 +129,46 @@ def summarise(per_model: dict) -> dict:
                 left_out=sorted(set(seconds) - set(ns)))
 
 
+def fresh_pages(mib: int = 64, rounds: int = 15) -> dict:
+    """What touching memory for the first time costs: a fill and an addition into a fresh tensor of ``mib``
+    MiB against the same into one already held (medians of ``rounds``). On Linux a large CPU allocation is
+    mapped fresh each time, so the first write to each page faults."""
+    n = mib * 2**20 // 4
+    held = torch.empty(n)
+
+    def median(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t0)
+        return sorted(samples)[rounds // 2]
+
+    fill_fresh, fill_held = median(lambda: torch.empty(n).fill_(1.0)), median(lambda: held.fill_(1.0))
+    add_fresh, add_held = median(lambda: held + held), median(lambda: torch.add(held, held, out=held))
+    return dict(mib=mib, rounds=rounds, fill_fresh_s=fill_fresh, fill_held_s=fill_held, add_fresh_s=add_fresh,
+                add_held_s=add_held, fresh_ns_per_byte=1e9 * (fill_fresh - fill_held) / (4 * n))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="timed steps per model (default 3)")
     ap.add_argument("--small", action="store_true", help="tiny sizes, a smoke run (latest-small.json)")
     ap.add_argument("--write-table", action="store_true",
                     help="also write the table the tracer reads, src/ckptopt/data/op_time_cpu.json")
+    ap.add_argument("--fresh-pages", action="store_true",
+                    help="only measure what first-touch memory costs (latest-fresh-pages.json); the table is untouched")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if args.fresh_pages:
+        rec = fresh_pages()
+        write_json(result_path("op_time", "fresh-pages"), dict(run_metadata("op_time", "cpu"), **rec))
+        print(f"{rec['mib']} MiB: fill fresh {1e3 * rec['fill_fresh_s']:.2f} ms, held {1e3 * rec['fill_held_s']:.2f} ms; "
+              f"add into fresh {1e3 * rec['add_fresh_s']:.2f} ms, held {1e3 * rec['add_held_s']:.2f} ms; "
+              f"first touch {rec['fresh_ns_per_byte']:.3f} ns per byte")
+        return
     per_model = {}
     for name, step in models(args.small):
         t0 = time.perf_counter()

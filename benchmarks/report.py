@@ -617,7 +617,19 @@ def fast_op_time(r: Results) -> str:
         "list is priced at its median):",
         table(["operator", "ns per element", "FLOP-equivalents per element", "range over models (ns)", "models"],
               rows),
-        source(r, "op_time/latest.json"))
+        source(r, "op_time/latest.json"),
+        *_fresh_pages(r))
+
+
+def _fresh_pages(r: Results) -> list[str]:
+    f = r("op_time/latest-fresh-pages.json")
+    return [f"What first touch costs, which those figures include where an operator writes a fresh output: a fill of "
+            f"{f['mib']} MiB takes {1e3 * f['fill_fresh_s']:.1f} ms into a fresh tensor and "
+            f"{1e3 * f['fill_held_s']:.1f} ms into one already held, an addition {1e3 * f['add_fresh_s']:.1f} against "
+            f"{1e3 * f['add_held_s']:.1f} ms: {f['fresh_ns_per_byte']:.2f} ns per byte, {4 * f['fresh_ns_per_byte']:.1f} "
+            "ns per float32 element, more than most operators' own time per element. A recomputation that reuses "
+            "memory the backward freed does not pay it; the count does not model it yet (docs/design.md §3).",
+            source(r, "op_time/latest-fresh-pages.json")]
 
 
 OP_TIME_ROWS = 16
