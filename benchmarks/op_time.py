@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import time
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def fresh_pages(mib: int = 64, rounds: int = 15) -> dict:
             t0 = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - t0)
-        return sorted(samples)[rounds // 2]
+        return statistics.median(samples)
 
     fill_fresh, fill_held = median(lambda: torch.empty(n).fill_(1.0)), median(lambda: held.fill_(1.0))
     add_fresh, add_held = median(lambda: held + held), median(lambda: torch.add(held, held, out=held))

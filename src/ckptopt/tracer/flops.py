@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
@@ -11,7 +12,7 @@ from torch import nn
 
 from ..torch_utils import tensor_leaves
 from . import op_time
-from .op_time import device_type_of, elements, weights_for
+from .op_time import elements, weights_for
 
 __all__ = ["forward_flops", "layer_compute"]
 
@@ -83,10 +84,10 @@ def count_flops(run) -> int:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = str(func._overloadpacket)
-            if name not in products and not func.is_view and not _counting_state().off:
-                device = device_type_of(out)
-                weights = weights_for(device) if device is not None and op_time.PRICED else None
-                n = elements(name, (args, kwargs), out)
+            outs = tensor_leaves(out)  # (none: metadata, no work; a fake tensor's device is the one it stands for)
+            if outs and name not in products and not func.is_view and not _counting_state().off:
+                weights = weights_for(outs[0].device.type) if op_time.PRICED else None
+                n = elements(name, (args, kwargs), outs)
                 _Elementwise.total += n * weights.weight(name) if weights is not None else n
             return out
 
@@ -96,6 +97,7 @@ def count_flops(run) -> int:
     return int(counter.get_total_flops()) + int(_Elementwise.total)
 
 
+@functools.lru_cache(maxsize=None)
 def formula_ops() -> frozenset[str]:
     """The operators priced by FLOP formulas (``torch.utils.flop_counter``'s and :func:`_extra_formulas`),
     by overload packet name."""

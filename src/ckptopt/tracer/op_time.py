@@ -4,10 +4,9 @@ Matrix products, convolutions and attention are priced by their FLOPs
 (``torch.utils.flop_counter``). Every other operator (elementwise ops, norms, softmax, random
 draws, reductions) is priced by its time per element measured on the device type, converted to
 FLOP-equivalents at the rate the same run measured for the products: on one CPU thread a dropout
-mask (``bernoulli_``) costs hundreds of FLOP-equivalents per element and a softmax tens, not the one
-per element the counter used to give them. A plan that re-runs BERT's attention dropout looked
-nearly free before and costs a fifth of a layer's forward in fact (``benchmarks/RESULTS.md``,
-"What an operator costs besides its FLOPs").
+mask (``bernoulli_``) costs hundreds of FLOP-equivalents per element and a softmax tens: counted as
+one each, a plan that re-runs BERT's attention dropout would look nearly free, where it costs a
+fifth of a layer's forward (``benchmarks/RESULTS.md``, "What an operator costs besides its FLOPs").
 
 The table is ``ckptopt/data/op_time_<device type>.json``, written by ``python -m
 benchmarks.op_time --write-table``: per operator (``aten`` overload packet name) nanoseconds per
@@ -21,8 +20,6 @@ import functools
 import json
 from importlib import resources
 from typing import Any, NamedTuple
-
-import torch
 
 from ..torch_utils import tensor_leaves
 
@@ -86,9 +83,3 @@ def weights_from_table(table: dict) -> OpWeights:
     return OpWeights(per_op=per_op, default=default)
 
 
-def device_type_of(out: Any) -> str | None:
-    """The device type an operator ran for (a fake tensor's is the device it stands for)."""
-    for t in tensor_leaves(out):
-        if isinstance(t, torch.Tensor):
-            return t.device.type
-    return None
