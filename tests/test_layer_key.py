@@ -94,3 +94,38 @@ def test_sharing_measurements_changes_no_figure(name, monkeypatch):
     assert n_shared <= n_alone
     if name in ("gpt", "llama", "gpt2", "bert"):  # repeated blocks: measured once
         assert n_shared < 0.8 * n_alone, (n_shared, n_alone)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt2", "t5"])
+def test_a_layer_measured_like_another_makes_no_module(name, monkeypatch):
+    """A layer's module (its generated code) is made only where the layer is measured or counted; the
+    parameters read from its graph are the ones its module would have (submodules called whole in an FX
+    graph, a tied embedding and head in GPT-2, shared relative-position weights in T5)."""
+    if name == "gpt":
+        model, inputs = zoo.get(name, batch_size=2, input_size=16)[:2]
+        model.train()
+    else:
+        model, inputs = _hf(name)
+    made, checked = [], []
+    module = layers_mod._Built.module
+
+    def counting(self):
+        if self._module is None:
+            made.append(self)
+        return module.fget(self)
+
+    parameters = layers_mod._Built.parameters
+
+    def compared(self):
+        got = parameters(self)
+        if self._module is None:
+            want = list(fx.GraphModule(self.root, self.graph).parameters())
+            assert [id(p) for p in got] == [id(p) for p in want]
+            checked.append(1)
+        return got
+
+    monkeypatch.setattr(layers_mod._Built, "module", property(counting))
+    monkeypatch.setattr(layers_mod._Built, "parameters", compared)
+    traced = trace(model, inputs)
+    assert checked and len(checked) >= traced.n - 1
+    assert len(made) < 0.8 * traced.n, (len(made), traced.n)

@@ -24,7 +24,8 @@ import torch.nn as nn
 from ..errors import TraceError
 from ..torch_utils import tensor_leaves
 
-__all__ = ["MAX_CROSSING", "SIDE_AUTO_MAX_N", "OPS", "op_label", "candidate_groups", "subgraph_module", "WithLoss"]
+__all__ = ["MAX_CROSSING", "SIDE_AUTO_MAX_N", "OPS", "op_label", "candidate_groups", "subgraph_module", "subgraph",
+           "WithLoss"]
 
 #: The node kinds that run something (the others are inputs, attributes and the output).
 OPS = ("call_module", "call_function", "call_method")
@@ -191,6 +192,13 @@ def subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node 
     constants of the subgraph: right for measuring one layer at fixed shapes,
     not for the rewriter, which passes them as inputs so other shapes work.
     """
+    return fx.GraphModule(gm, subgraph(gm, members, inputs, output, values))
+
+
+def subgraph(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node | list[fx.Node] | None,
+             output: Any, values: dict | None = None) -> fx.Graph:
+    """The graph of :func:`subgraph_module`, without the module: making the module generates and compiles
+    its Python code, which a layer measured like another (:mod:`~ckptopt.tracer.layer_key`) never needs."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     if isinstance(inputs, fx.Node):
@@ -215,7 +223,7 @@ def subgraph_module(gm: fx.GraphModule, members: list[fx.Node], inputs: fx.Node 
     for n in members:
         env[n] = g.node_copy(n, load)
     g.output(fx.node.map_arg(output, load))
-    return fx.GraphModule(gm, g)
+    return g
 
 
 class WithLoss(nn.Module):

@@ -64,8 +64,8 @@ class _Keyer:
                 tuple((name, self.tensor(p)) for name, p in sub.named_parameters()),
                 tuple((name, self.tensor(b)) for name, b in sub.named_buffers()))
 
-    def graph(self, gm: fx.GraphModule) -> tuple:
-        nodes = list(gm.graph.nodes)
+    def graph(self, graph: fx.Graph, gm: nn.Module) -> tuple:
+        nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         out = []
         for n in nodes:
@@ -99,14 +99,19 @@ def _callable_name(target: Any) -> str:
     return f"{module}.{name}"
 
 
-def layer_key(module: nn.Module, example_input: torch.Tensor | None, context: dict) -> tuple | None:
+def layer_key(module: nn.Module, example_input: torch.Tensor | None, context: dict,
+              graph: fx.Graph | None = None) -> tuple | None:
     """The key of one layer's measurement (module docstring), or None where something in it cannot be
-    described by structure (then the layer is measured, never shared)."""
-    if not isinstance(module, fx.GraphModule):  # (the last layer with the loss: measured each time)
-        return None
+    described by structure (then the layer is measured, never shared). ``graph``: the layer's graph, read
+    from ``module`` (the model's graph module: the key of the GraphModule ``fx.GraphModule(module, graph)``
+    would be, without making it); else ``module`` is the layer's GraphModule."""
+    if graph is None:
+        if not isinstance(module, fx.GraphModule):  # (the last layer with the loss: measured each time)
+            return None
+        graph = module.graph
     k = _Keyer()
     try:
-        body = k.graph(module)  # (the parameters and buffers it reads come first in the storage order)
+        body = k.graph(graph, module)  # (the parameters and buffers it reads come first in the storage order)
         context = dict(context)
         if context.get("side_rank"):  # only the order it gives matters (ties broken by position)
             rank = list(context["side_rank"])

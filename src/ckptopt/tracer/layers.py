@@ -18,13 +18,15 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from ..costs import SideTensor
 from ..errors import TraceError
 from ..storages import storage_identity, storage_nbytes
 from ..torch_utils import tensor_leaves
 from .capture import module_path
-from .cuts import WithLoss, op_label, subgraph_module
+from .capture.base import attr as _attr
+from .cuts import WithLoss, op_label, subgraph
 from .flops import layer_compute
 from .layer_costs import LayerMeasurement, measure_layer
 from .layer_key import layer_key
@@ -152,11 +154,13 @@ def _build_layers(fake_gm: fx.GraphModule, groups: list, crossings: Crossings, r
         else:
             output = io.main_out
         ins = ([x_node] if x_node is not None else []) + side_in + statics
-        body = subgraph_module(fake_gm, members, ins, output, values)
-        module = body if not (last and not single_output) else WithLoss(body, loss_fn, captured.rebuild)
-        for p in module.parameters():
+        graph = subgraph(fake_gm, members, ins, output, values)
+        b = _Built(members, x_node, side_in, side_out, statics, output, fake_gm, graph)
+        if last and not single_output:  # (the loss inside: a module of its own, never keyed)
+            b._module = WithLoss(fx.GraphModule(fake_gm, graph), loss_fn, captured.rebuild)
+        for p in b.parameters():
             param_owner[id(p)] = j
-        built.append(_Built(members, x_node, side_in, side_out, statics, output, module))
+        built.append(b)
     return built, param_owner
 
 
@@ -199,7 +203,7 @@ class _Measurer:
     def compute(self, b: "_Built", x: list, others: list) -> dict:
         """The layer's forward and backward compute (:class:`Layer`'s ``flops``, ``backward_flops``), counted
         once per distinct layer (:func:`layer_key`)."""
-        key = layer_key(b.module, x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
+        key = b.key(x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
         if key is None:
             return dict(zip(_COMPUTE, layer_compute(b.module, x, others)))
         if ("flops", key) not in self.memo:
@@ -241,13 +245,48 @@ def _nodes_in(arg: Any) -> list[fx.Node]:
 
 @dataclass
 class _Built:
+    """One layer: its nodes, inputs and outputs, and its graph over the model's graph module ``root``.
+    The module that runs it (``module``) is made when first asked for: a layer measured like another
+    never is (making it generates and compiles its code, a second per hundred layers)."""
+
     members: list[fx.Node]
     x_node: fx.Node | None
     side_in: list[fx.Node]
     side_out: list[fx.Node]
     statics: list[fx.Node]
     output: Any
-    module: Any
+    root: fx.GraphModule
+    graph: fx.Graph
+    _module: Any = None
+
+    @property
+    def module(self) -> nn.Module:
+        if self._module is None:
+            self._module = fx.GraphModule(self.root, self.graph)
+        return self._module
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters ``module`` has (each once), read from the graph without making it."""
+        if self._module is not None:
+            return list(self._module.parameters())
+        found: dict[int, nn.Parameter] = {}
+        for n in self.graph.nodes:
+            if n.op == "get_attr":
+                obj = _attr(self.root, n.target)
+            elif n.op == "call_module":
+                obj = self.root.get_submodule(n.target)
+            else:
+                continue
+            params = [obj] if isinstance(obj, nn.Parameter) else obj.parameters() if isinstance(obj, nn.Module) else []
+            for p in params:
+                found.setdefault(id(p), p)
+        return list(found.values())
+
+    def key(self, x: Any, context: dict) -> tuple | None:
+        """:func:`layer_key` of the layer's module, from its graph (None for the layer with the loss)."""
+        if self._module is not None and not isinstance(self._module, fx.GraphModule):
+            return None
+        return layer_key(self.root, x, context, graph=self.graph)
 
 
 def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement | None, values: dict,
@@ -264,7 +303,7 @@ def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement
     rank = [found._may_be_held(crossings, t, j) for t in io.side_in] if found is not None else []
     x = values[b.x_node] if b.x_node is not None else None
     # a tied or reused weight whose gradient a later layer already created
-    existing = [p for p in b.module.parameters() if p.requires_grad and param_owner[id(p)] > j]
+    existing = [p for p in b.parameters() if p.requires_grad and param_owner[id(p)] > j]
     try:
         # an input the previous layer saves stays alive through this layer's backward, and so does
         # the model input (the caller holds it); measure_layer also gives the figures with the
@@ -285,7 +324,7 @@ def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement
                       shared_out_grads=shared, side_output_grads=side_out_grad, side_rank=rank)
         kw.update(keep_input=keep, out_grad_layout=layout, main_output_grad=out_grad, hold_out_grad=hold_out,
                   side_out_grad_layout=side_layout, static_input=bool(previous is not None and previous.out_static))
-        key = layer_key(b.module, x, kw) if memo is not None else None
+        key = b.key(x, kw) if memo is not None else None
         if key is not None and key in memo:  # a layer like one measured already (a repeated block's)
             return dataclasses.replace(memo[key])
         m = measure_layer(b.module, x, **kw)
