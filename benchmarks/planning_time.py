@@ -14,7 +14,8 @@ it (wrapped for the run; a part called several times is summed):
 * ``propagate``: the graph run once on a fake copy of the model;
 * ``cuts``: where layers may be cut, at each crossing tried;
 * ``measure``: each layer's run on fake tensors (``measure_layer``), with its FLOP count;
-* ``crossing trials``: the exact side-tensor program tried at each crossing (``solves_within``);
+* ``crossing trials``: the time planning waits for the exact side-tensor program tried at each crossing
+  (``solves_within``; each trial runs in a thread beside the next crossing's measurement: ``_Trials.settled``);
 * ``solve``: the solvers; ``side effects``: the check that the forward can run twice;
   ``verify``: the fake training step through the rewritten module;
 * ``allocator replay``: an estimate's fake training steps and the caching allocator's replay over them
@@ -62,7 +63,7 @@ PARTS = [  # (part, module, attribute)
     ("cuts", "ckptopt.tracer.chain._Grouping", "groups"),
     ("measure", "ckptopt.tracer.layers", "measure_layer"),
     ("measure", "ckptopt.tracer.layers", "layer_compute"),
-    ("crossing trials", "ckptopt.tracer.chain", "solves_within"),
+    ("crossing trials", "ckptopt.tracer.chain._Trials", "settled"),
     ("solve", "ckptopt.api", "solve"),
     ("solve", "ckptopt.planning.estimate", "solve"),
     ("side effects", "ckptopt.api", "_check_forward_has_no_python_side_effects"),

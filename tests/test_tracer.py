@@ -309,6 +309,66 @@ def test_default_crosses_fewer_tensors_when_the_side_program_would_be_slow(monke
     assert trace(model, x, max_crossing=8).n == several.n  # asked for: kept
 
 
+def test_crossing_trials_beside_measuring_answer_as_one_after_the_other(monkeypatch):
+    """The crossings' trials run in threads beside the next crossing's measurement; the crossing kept is
+    the one trying them in turn gives (the first whose trial finishes), whatever order they finish in,
+    and a measurement a finished larger trial makes moot may fail without failing the trace."""
+    import threading
+
+    import numpy as np
+
+    import ckptopt.tracer.chain as chain
+    from ckptopt import zoo
+    from ckptopt.errors import TraceError
+    from ckptopt.solvers.side_tensors import solves_within
+
+    model, x = zoo.get("unet", batch_size=1, input_size=32, base=4)
+    sizes = {c: trace(model, x, max_crossing=c).costs.n for c in (8, 4, 2, 1)}
+    assert len(set(sizes.values())) == 4
+    costs8 = trace(model, x, max_crossing=8).costs
+    assert solves_within(costs8, 0) and not solves_within(costs8, 0, np.ones(1, dtype=np.int64))  # (stopped)
+
+    measured = chain._measured_costs
+    smaller = threading.Event()  # a smaller crossing has been measured (or failed to be)
+
+    def measuring(fail_below_8):
+        def measure(run, grouping, groups, *rest):
+            try:
+                if fail_below_8 and len(groups) < sizes[8] - 1:
+                    raise TraceError("measuring failed at a smaller crossing", node=None)
+                return measured(run, grouping, groups, *rest)
+            finally:
+                if len(groups) < sizes[8] - 1:
+                    smaller.set()
+        return measure
+
+    def trial(finishes):
+        def run(costs, max_work, stop=None):
+            if costs.n == sizes[8]:  # the largest crossing answers only once a smaller one was measured
+                assert smaller.wait(timeout=30)
+            return finishes(costs.n)
+        return run
+
+    for fail_below_8, finishes, want in ((False, lambda n: n != sizes[8], 4),  # 8 fails last: 4, not 2
+                                         (False, lambda n: n == sizes[2], 2),
+                                         (False, lambda n: True, 8),  # 8 finishes last: 8, not 4
+                                         (True, lambda n: True, 8)):  # (its trial finished: the failure is moot)
+        smaller.clear()
+        monkeypatch.setattr(chain, "_measured_costs", measuring(fail_below_8))
+        monkeypatch.setattr(chain, "solves_within", trial(finishes))
+        assert trace(model, x).max_crossing == want
+    smaller.clear()
+    monkeypatch.setattr(chain, "solves_within", trial(lambda n: False))
+    with pytest.raises(TraceError, match="smaller crossing"):
+        trace(model, x)
+    # one core: the trials run one at a time, to the same answer
+    monkeypatch.setattr(chain.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(chain, "_measured_costs", measured)
+    monkeypatch.setattr(chain, "solves_within", lambda costs, max_work, stop=None: costs.n != sizes[8])
+    assert trace(model, x).max_crossing == 4
+
+
+
 # --------------------------------------------------------------------------
 # shadows: the values the inputs alone determine, read by ops of data-dependent shape
 # --------------------------------------------------------------------------

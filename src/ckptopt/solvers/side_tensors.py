@@ -280,8 +280,8 @@ def mask_scratch(n: int, max_open: int, n_side: int) -> MaskScratch:
                        framek=z(nb), lowk=lowk, sums=z(ns), D=z(ns), held=z(ns), S2=z(ns))
 
 
-@njit(cache=True)
-def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
+@njit(cache=True, nogil=True)
+def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms, stop):
     """Lowest peak (without static) and its plan: ``(value, starts_after_0, stored_starts)``.
 
     ``unheld[l]``: the state bits at ``l`` no plan sets (:func:`unheld_bits`); those states are
@@ -291,7 +291,8 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
     forward-all); otherwise every segment but the last is checkpointed (``dp``'s plan space).
     ``max_work`` (0: none): give up, returning value ``NEG``, once the layer passes spent add up to
     more than this (a segment scored for one mask costs its length; for every mask at once, its
-    length times the open tensors plus two, plus one per mask).
+    length times the open tensors plus two, plus one per mask). ``stop[0]`` set (by another thread: the
+    program runs without the GIL) gives up the same way.
 
     The states of one layer (every mask, a flag) grow their segments together (:func:`_best_segments`).
     """
@@ -309,7 +310,8 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
         for flag in range(2):
             if flag and (l == 0 or not allow_stored):
                 continue
-            work = _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk)
+            work = _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk,
+                                  stop)
             if work < 0:
                 return np.int64(NEG), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
             for S in range(ns):
@@ -324,7 +326,7 @@ def dp_side(n, K, SD, off, unheld, allow_stored, max_work, sc, ms):
 
 
 @njit(cache=True)
-def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk):
+def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work, V, sc, ms, best, br, bk, stop):
     """For every mask ``S`` of layer ``l``'s states with ``flag``: the best value, last layer and kind of a
     segment starting there (``best``, ``br``, ``bk``), given the values ``V`` of the later states. The
     masks grow their segments together: each segment is scored for all masks still growing at once
@@ -357,7 +359,7 @@ def _best_segments(l, flag, n, K, SD, off, unheld, allow_stored, max_work, work,
         masks = (nb + 2) * w + ns < nact * w  # (all masks at once, or the few left one by one)
         kinds = 1 if r == n - 1 or not allow_stored else 2
         work += kinds * ((nb + 2) * w + ns) if masks else w * nact
-        if max_work > 0 and work > max_work:
+        if (max_work > 0 and work > max_work) or stop[0] != 0:
             return -1
         for kind in range(3):
             if not _takes(kind, r, n, allow_stored):
@@ -702,18 +704,21 @@ def lowest_peak(costs, allow_stored: bool = False) -> tuple[int, tuple[int, ...]
     memo = _memo(costs)
     if bool(allow_stored) not in memo:
         SD, off, unheld, sc, ms = _context(costs)
-        value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, bool(allow_stored), 0, sc, ms)
+        value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, bool(allow_stored), 0, sc, ms,
+                                        np.zeros(1, dtype=np.int64))
         memo[bool(allow_stored)] = (int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored))
     return memo[bool(allow_stored)]
 
 
-def solves_within(costs, max_work: int) -> bool:
+def solves_within(costs, max_work: int, stop: np.ndarray | None = None) -> bool:
     """Whether :func:`lowest_peak` finishes within ``max_work`` (layer passes, :func:`dp_side`): the
     side-tensor program is O(n^3 2^k) when nothing prunes (a peak in the loss), far less when
     the saved-bytes bound does, which only the costs tell. A run that finishes is kept as
-    :func:`lowest_peak`'s answer."""
+    :func:`lowest_peak`'s answer. ``stop``: a one-element array another thread sets to 1 to end the run
+    early (False then); the program releases the GIL, so trials can run beside other work."""
     SD, off, unheld, sc, ms = _context(costs)
-    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, False, int(max_work), sc, ms)
+    stop = np.zeros(1, dtype=np.int64) if stop is None else stop
+    value, starts, stored = dp_side(costs.n, costs.kernel_arrays, SD, off, unheld, False, int(max_work), sc, ms, stop)
     if int(value) == NEG:
         return False
     _memo(costs)[False] = (int(value), tuple(int(x) for x in starts), tuple(int(x) for x in stored))

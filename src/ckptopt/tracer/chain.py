@@ -18,10 +18,16 @@ in a few MB.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import networkx as nx
+import numpy as np
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -378,7 +384,13 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
     """``(layers, costs, hoisted, crossing)`` at ``max_crossing``, or, when None, at the most tensors per cut
     (8, halved down to 1) whose layers the tracer measures and whose exact side-tensor program finishes in
     seconds (:data:`~ckptopt.tracer.cuts.SIDE_AUTO_MAX_N`, a trial run within
-    :data:`~ckptopt.solvers.limits.SIDE_AUTO_MAX_WORK`); the reason for fewer goes to the capture's notes."""
+    :data:`~ckptopt.solvers.limits.SIDE_AUTO_MAX_WORK`); the reason for fewer goes to the capture's notes.
+
+    The exact side-tensor program is fast when its saved-bytes bound prunes and O(n^3 2^k) when nothing
+    does (a peak in the loss): which one, only the costs tell, so a trial run says. Each trial runs in a
+    thread of its own (the program releases the GIL) while the next crossing's layers are measured, and
+    the answer is the same as trying them one after the other: the first crossing whose trial finishes;
+    the trials of smaller crossings stop once it is known."""
     auto = max_crossing is None
     max_crossing = MAX_CROSSING if auto else max_crossing
     groups, hoisted = grouping.groups(max_crossing)
@@ -388,22 +400,98 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
         groups, hoisted = grouping.groups(max_crossing)
     why = f"the model has {many} layers, more than the {SIDE_AUTO_MAX_N} the tracer measures at that crossing"
     memo: dict = {}  # (a layer that stays the same at another crossing is not measured again)
-    while True:
-        layers, costs = _measured_costs(run, grouping, groups, hoisted, captured, loss_fn, static, memo)
-        # the exact side-tensor program is fast when its saved-bytes bound prunes and O(n^3 2^k) when
-        # nothing does (a peak in the loss): which one, only the costs tell; a trial run says
-        if not (auto and max_crossing > 1 and costs.side and not solves_within(costs, SIDE_AUTO_MAX_WORK)):
-            break
-        why = (f"the exact side-tensor program over its {costs.n} layers at {max_crossing} would not finish "
+    measure = lambda g, h: _measured_costs(run, grouping, g, h, captured, loss_fn, static, memo)  # noqa: E731
+    if not auto:
+        layers, costs = measure(groups, hoisted)
+        return layers, costs, hoisted, max_crossing
+    trials = _Trials()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                measured = measure(groups, hoisted)
+            except TraceError:  # (speculative: an error at a crossing a larger one's trial may make moot)
+                if not trials.pending:
+                    raise
+                trials.last = (max_crossing, None, hoisted, sys.exc_info()[1])
+                break
+            if max_crossing == 1 or not measured[1].side:  # (no trial: this crossing answers if none before does)
+                trials.last = (max_crossing, measured, hoisted, None)
+                break
+            trials.start(max_crossing, measured, hoisted)
+            # measure the next crossing beside the trial only once the trial has run about as long as that
+            # takes (a trial that finishes sooner, as most do, costs no measurement it does not need)
+            if trials.settled(timeout=time.perf_counter() - t0):
+                break
+            max_crossing //= 2
+            groups, hoisted = grouping.groups(max_crossing)
+        (max_crossing, (layers, costs), hoisted), failed = trials.answer()
+    finally:
+        trials.stop_all()
+    if failed is not None:
+        why = (f"the exact side-tensor program over its {failed[1]} layers at {failed[0]} would not finish "
                f"in seconds (more than {SIDE_AUTO_MAX_WORK:,} layer passes)")
-        max_crossing //= 2
-        groups, hoisted = grouping.groups(max_crossing)
-    if max_crossing < MAX_CROSSING and auto:
+    if max_crossing < MAX_CROSSING:
         note = (f"cuts crossed by at most {max_crossing} tensor{'s' if max_crossing > 1 else ''}: with up to "
                 f"{MAX_CROSSING} {why} (trace(max_crossing={MAX_CROSSING}) forces them)")
         if note not in captured.notes:
             captured.notes.append(note)
     return layers, costs, hoisted, max_crossing
+
+
+class _Trials:
+    """The crossings' trial runs (:func:`~ckptopt.solvers.side_tensors.solves_within`), largest crossing
+    first, each in a thread; :meth:`answer` is the first crossing whose trial finishes, else the last one
+    measured (:attr:`last`, which needs no trial). With one core the trials run one at a time."""
+
+    def __init__(self):
+        self.pending: list[tuple] = []  # (crossing, (layers, costs), hoisted, future, stop flag), largest first
+        self.last: tuple | None = None  # (crossing, (layers, costs) or None, hoisted, error or None)
+        self.overlap = (os.cpu_count() or 1) > 1
+        self._pool = ThreadPoolExecutor(max_workers=MAX_CROSSING.bit_length()) if self.overlap else None
+        self._failed: tuple | None = None  # (crossing, layers) of the last trial that did not finish
+
+    def start(self, crossing: int, measured: tuple, hoisted: list) -> None:
+        stop = np.zeros(1, dtype=np.int64)
+        if self._pool is not None:
+            fut = self._pool.submit(solves_within, measured[1], SIDE_AUTO_MAX_WORK, stop)
+        else:
+            fut = Future()
+            fut.set_result(solves_within(measured[1], SIDE_AUTO_MAX_WORK, stop))
+        self.pending.append((crossing, measured, hoisted, fut, stop))
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """Whether the answer is known: the largest pending trial finished (waiting up to ``timeout``
+        seconds for it; None: as long as it takes), or failed and the next one did, and so on. Failed
+        trials leave the list."""
+        while self.pending:
+            crossing, measured, _, fut, _ = self.pending[0]
+            try:
+                done = fut.result(timeout=timeout)
+            except FutureTimeout:
+                return False
+            if done:
+                return True
+            self._failed = (crossing, measured[1].n)
+            self.pending.pop(0)
+        return False
+
+    def answer(self) -> tuple[tuple, tuple | None]:
+        """``((crossing, (layers, costs), hoisted), failed)``: ``failed`` the last larger crossing whose trial
+        did not finish (None if none)."""
+        if self.settled():
+            crossing, measured, hoisted, _, _ = self.pending[0]
+            return (crossing, measured, hoisted), self._failed
+        crossing, measured, hoisted, error = self.last
+        if error is not None:
+            raise error
+        return (crossing, measured, hoisted), self._failed
+
+    def stop_all(self) -> None:
+        for *_, stop in self.pending:
+            stop[0] = 1
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 def _measured_costs(run: _Propagated, grouping: _Grouping, groups: list, hoisted: list, captured: Captured,
