@@ -298,3 +298,34 @@ def test_a_recomputed_copy_let_go_with_the_frame_is_one_release():
     alone = ChainCosts.from_dict({**c.to_dict(), "side": [c.side[1].to_dict()]})  # (the copy the frame's only bytes)
     assert simulate(alone, (1, 3)).peak_bytes == reference_peak(alone, (1, 3))
     _assert_masks_as_one_by_one(alone)
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(st.one_of(side_costs(max_n=7), wide_side_costs(max_n=7)))
+def test_stored_pass_beside_the_tie_break_answers_as_in_turn(monkeypatch, c):
+    """``auto``'s stored-segment pass runs in a thread beside the tie-break: the same plan as running them
+    one after the other (one core); where the tie-break does not finish, the lowest-peak plan answers,
+    as when the stored pass never ran; and a stopped program gives up."""
+    import os
+
+    import numpy as np
+
+    from hypothesis import assume
+
+    from ckptopt.solvers import exact
+    from ckptopt.solvers.pareto import FrontTooLarge
+
+    assume(c.has_side)
+    beside = solve(c, "auto")
+    with monkeypatch.context() as m:
+        m.setattr(os, "cpu_count", lambda: 1)
+        in_turn = solve(c, "auto")
+    assert (beside.checkpoints, beside.stored, beside.peak_bytes, beside.solver) == \
+        (in_turn.checkpoints, in_turn.stored, in_turn.peak_bytes, in_turn.solver)
+    with monkeypatch.context() as m:
+        m.setattr(exact, "TIE_BREAK_MAX_WORK", 1)  # (the tie-break gives up at once)
+        value, plan, _ = side_solvers.lowest_peak(c)
+        got = solve(c, "auto")
+    assert (got.solver, got.checkpoints, got.stored, got.peak_bytes) == ("dp2", plan, (), value + c.static)
+    with pytest.raises(FrontTooLarge):
+        pareto_front(c, None, allow_stored=True, stop=np.ones(1, dtype=np.int64))

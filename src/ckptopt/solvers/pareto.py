@@ -43,7 +43,8 @@ class FrontTooLarge(Exception):
 
 
 def pareto_front(
-    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0, grain: int = 0
+    costs: ChainCosts, max_peak: int | None = None, allow_stored: bool = True, max_work: int = 0, grain: int = 0,
+    stop=None,
 ) -> list[FrontPoint]:
     """Every plan that is Pareto-optimal in (peak, recomputation).
 
@@ -67,6 +68,9 @@ def pareto_front(
         one point per ``grain`` bytes of peak (the one that recomputes least;
         :func:`ckptopt.solvers.side_tensors.pareto_side`). Its plans and figures are
         real; a plan with less recomputation may be missing.
+    stop : numpy array, optional
+        Internal, with side tensors only: a one-element array another thread sets to 1 to
+        end the program as past ``max_work``.
 
     Returns
     -------
@@ -88,7 +92,7 @@ def pareto_front(
     if costs.has_side:  # over (layer, flag, held side tensors) states (ckptopt.solvers.side_tensors)
         from .side_tensors import front
 
-        peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work, grain)
+        peaks, recs, flat, offsets, sflat, soffsets, complete = front(costs, cap, allow_stored, max_work, grain, stop)
     else:
         peaks, recs, flat, offsets, sflat, soffsets, complete = pareto_plans(
             costs.n, not costs.is_additive, costs.kernel_arrays, costs.compute_prefix, cap,

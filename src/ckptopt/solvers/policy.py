@@ -11,14 +11,19 @@ and the planning helpers (through ``solve(costs, "auto", budget)``):
   enough (:func:`~ckptopt.solvers.limits.within_tie_break`), plans that also leave
   middle segments unwrapped (:func:`improve_with_stored`): label ``"dp2+stored"``
   when one has a lower (peak, recomputation). With side tensors the stored pass may do
-  more work (:data:`~ckptopt.solvers.limits.STORED_SIDE_MAX_WORK`) and runs only where the
-  tie-break finished.
+  more work (:data:`~ckptopt.solvers.limits.STORED_SIDE_MAX_WORK`) and counts only where the
+  tie-break finished (it runs beside the tie-break, in a thread, where there is a second core).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
 
 from ..costs import ChainCosts
 from ..errors import InfeasibleBudget
@@ -98,11 +103,12 @@ def _budget_side(costs: ChainCosts, limit: int) -> Solution:
     return Solution(found[0], None, found[1], label)
 
 
-def _lowest_with_stored(costs: ChainCosts, peak: int, max_work: int) -> FrontPoint | None:
+def _lowest_with_stored(costs: ChainCosts, peak: int, max_work: int, stop=None) -> FrontPoint | None:
     """The plan, middle segments possibly unwrapped, with the lowest (peak, recomputation) among those
-    peaking at most ``peak`` (a peak some plan reaches); None past ``max_work``."""
+    peaking at most ``peak`` (a peak some plan reaches); None past ``max_work`` (or once ``stop[0]`` is
+    set, with side tensors: :func:`~ckptopt.solvers.pareto.pareto_front`)."""
     try:
-        front = pareto_front(costs, peak, allow_stored=True, max_work=max_work)
+        front = pareto_front(costs, peak, allow_stored=True, max_work=max_work, stop=stop)
     except FrontTooLarge:
         return None
     if not front:  # cannot happen: a plan reaches the cap
@@ -116,15 +122,45 @@ def _lowest_with_stored(costs: ChainCosts, peak: int, max_work: int) -> FrontPoi
     return best
 
 
+_NOT_RUN = object()  # (_stored_pass: the stored program has not run yet)
+
+
 def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],
-                 peak: int, max_work: int = TIE_BREAK_MAX_WORK) -> FrontPoint | None:
-    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's."""
+                 peak: int, max_work: int = TIE_BREAK_MAX_WORK, found: Any = _NOT_RUN) -> FrontPoint | None:
+    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's
+    (``found``: :func:`_lowest_with_stored`'s answer at ``peak``, where it has run already)."""
     if costs.is_additive or not within_tie_break(costs.n):
         return None
-    best = _lowest_with_stored(costs, peak, max_work)
+    best = _lowest_with_stored(costs, peak, max_work) if found is _NOT_RUN else found
     if best is None or (best.peak_bytes, best.recompute) >= (peak, plan_recompute(costs, checkpoints, stored)):
         return None
     return best
+
+
+def _side_tie_break_and_stored(costs: ChainCosts, value: int) -> tuple[Solution | None, FrontPoint | None]:
+    """``(tie-break, stored pass)`` at the side-tensor optimum ``value`` (static excluded): the stored pass
+    only where the tie-break finishes (None otherwise). Both programs release the GIL, so with more than
+    one core the stored pass runs in a thread beside the tie-break (it is capped at the same peak, known
+    before either runs) and is stopped when the tie-break does not finish: the answer is the one running
+    them in turn gives."""
+    peak = int(value) + costs.static
+    if costs.is_additive or (os.cpu_count() or 1) < 2:
+        sol = tie_break(costs, value)
+        return sol, (None if sol is None else _stored_pass(costs, sol.checkpoints, (), sol.optimum,
+                                                            STORED_SIDE_MAX_WORK))
+    stop = np.zeros(1, dtype=np.int64)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(_lowest_with_stored, costs, peak, STORED_SIDE_MAX_WORK, stop)
+        sol = None
+        try:
+            sol = tie_break(costs, value)
+        finally:
+            if sol is None:  # (or an error: the stored pass is not needed)
+                stop[0] = 1
+        found = pending.result()
+    if sol is None:
+        return None, None
+    return sol, _stored_pass(costs, sol.checkpoints, (), sol.optimum, STORED_SIDE_MAX_WORK, found)
 
 
 def improve_with_stored(costs: ChainCosts, plan: Plan) -> Plan:
@@ -161,10 +197,9 @@ def auto(costs: ChainCosts, limit: int | None = None) -> Solution:
         from .side_tensors import lowest_peak
 
         value, plan, _ = lowest_peak(costs)
-        sol = tie_break(costs, value)
+        sol, best = _side_tie_break_and_stored(costs, value)
         if sol is None:
             return Solution(plan, value + costs.static, (), "dp2")
-        best = _stored_pass(costs, sol.checkpoints, (), sol.optimum, STORED_SIDE_MAX_WORK)
         if best is None:
             return sol._replace(label="dp2")
         return Solution(best.checkpoints, best.peak_bytes, best.stored, "dp2+stored")

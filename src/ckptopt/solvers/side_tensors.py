@@ -427,13 +427,14 @@ def _plan_of(n, K, SD, off, choice_r, choice_k, sc):
     return starts[:ns], stored[:nst]
 
 
-@njit(cache=True)
-def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
+@njit(cache=True, nogil=True)
+def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms, stop):
     """``(H, work)``: ``H[st]`` the least bytes (checkpoints, side tensors, stored segments' saves)
     that any plan whose segments before state ``st``'s layer all fit within ``cap`` holds there
     (``BIG``: no such plan reaches it), as :func:`ckptopt.solvers.pareto.min_held_prefix` without
     side tensors. A suffix point above ``cap - H[st]`` is in no plan within the cap. A forward pass
-    over the states, each segment scored as in :func:`dp_side`; ``work`` is ``-1`` past ``max_work``."""
+    over the states, each segment scored as in :func:`dp_side`; ``work`` is ``-1`` past ``max_work`` or
+    once ``stop[0]`` is set."""
     total = off[n + 1]
     if cap >= BIG // 2:  # no cap: nothing to prune, every state may be reached
         return np.zeros(total, dtype=np.int64), np.int64(0)
@@ -468,7 +469,7 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
                 masks = (nb + 2) * w + ns < nreach * w
                 kinds = 2 if allow_stored else 1
                 work += kinds * ((nb + 2) * w + ns) if masks else kinds * w * nreach
-                if max_work > 0 and work > max_work:
+                if (max_work > 0 and work > max_work) or stop[0] != 0:
                     return H, np.int64(-1)
                 for kind in range(2):
                     if kind == 1 and not allow_stored:
@@ -496,8 +497,8 @@ def min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms):
     return H, np.int64(work)
 
 
-@njit(cache=True)
-def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain, sc, ms):
+@njit(cache=True, nogil=True)
+def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain, sc, ms, stop):
     """Every plan Pareto-optimal in (peak, recomputation) with relative peak <= cap, over the states
     of :func:`dp_side`. Returns ``(peaks, recomputes, plans_flat, plan_offsets, stored_flat,
     stored_offsets, complete)`` as :func:`ckptopt.solvers.pareto.pareto_plans` does.
@@ -513,14 +514,15 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
     ``grain`` > 0: an approximate front, bounded in size: each state keeps, of its points whose
     relative peaks fall in one ``grain``-wide bucket, only the one that recomputes least. Peaks and
     recomputations stay those of real plans (a plan returned fits the cap); what may be lost is a
-    plan with less recomputation."""
+    plan with less recomputation. ``stop[0]`` set (by another thread: the program runs without the GIL)
+    gives up as past ``max_work``."""
     total = off[n + 1]
     pool = points(1024)  # every state's front (fronts.py)
     used = 0
     first = np.zeros(total, dtype=np.int64)
     count = np.zeros(total, dtype=np.int64)
     cand = points(64)  # the candidates of one state
-    Hmin, work = min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms)
+    Hmin, work = min_held_side(n, K, SD, off, unheld, cap, allow_stored, max_work, sc, ms, stop)
     if work < 0:
         return _no_front()
     floors = np.empty(n, dtype=np.int64)
@@ -601,7 +603,7 @@ def pareto_side(n, K, SD, off, unheld, Cpre, cap, allow_stored, max_work, grain,
                             rc = (Cpre[e + 1] - Cpre[l] if e >= l else 0) + K.cseg[l]
                         cand, m = add_suffix_points(cand, m, pool, first[nxt], count[nxt], c, D, extra, rc, r, kind,
                                                     limit)
-                        if max_work > 0 and work + m > max_work:
+                        if (max_work > 0 and work + m > max_work) or stop[0] != 0:
                             return _no_front()
                 if m > 0:
                     work += m
@@ -725,8 +727,10 @@ def solves_within(costs, max_work: int, stop: np.ndarray | None = None) -> bool:
     return True
 
 
-def front(costs, cap: int, allow_stored: bool, max_work: int, grain: int = 0):
-    """The arrays of :func:`pareto_side` (relative cap; ``grain`` > 0: approximate, see there)."""
+def front(costs, cap: int, allow_stored: bool, max_work: int, grain: int = 0, stop: np.ndarray | None = None):
+    """The arrays of :func:`pareto_side` (relative cap; ``grain`` > 0: approximate, see there; ``stop``: a
+    one-element array another thread sets to 1 to end the run as past ``max_work``)."""
     SD, off, unheld, sc, ms = _context(costs)
+    stop = np.zeros(1, dtype=np.int64) if stop is None else stop
     return pareto_side(costs.n, costs.kernel_arrays, SD, off, unheld, costs.compute_prefix, int(cap), bool(allow_stored),
-                       int(max_work), int(grain), sc, ms)
+                       int(max_work), int(grain), sc, ms, stop)
