@@ -5,9 +5,11 @@
 
 Each case runs in a fresh process (one thread, transformers models built from their config classes, no
 weights loaded): one untimed call first (imports, the solvers' compiled kernels from the on-disk cache),
-then the timed call, twice: with layers alike measured once (``ckptopt.tracer.layer_key``, the default)
-and with every layer measured (``SHARE_MEASUREMENTS = False``), to show what sharing saves; the costs
-of the two are compared byte for byte. Each part's time is the time spent inside the function that does
+then the timed call: three times as it is and three times as on one core (``os.cpu_count()`` 1: the
+crossings' trials and the stored-segment pass each wait for the program before them, instead of running
+beside it in a thread), alternating, medians of each, to show what that overlap saves; and once with every
+layer measured (``SHARE_MEASUREMENTS = False``, not layers alike once: ``ckptopt.tracer.layer_key``), to
+show what sharing saves. The costs of all calls are compared byte for byte. Each part's time is the time spent inside the function that does
 it (wrapped for the run; a part called several times is summed):
 
 * ``capture``: the model to a graph (``torch.export`` or ``torch.fx``);
@@ -63,6 +65,7 @@ PARTS = [  # (part, module, attribute)
     ("cuts", "ckptopt.tracer.chain._Grouping", "groups"),
     ("measure", "ckptopt.tracer.layers", "measure_layer"),
     ("measure", "ckptopt.tracer.layers", "layer_compute"),
+    ("crossing trials", "ckptopt.tracer.chain._Trials", "start"),  # (one core: the trial runs here)
     ("crossing trials", "ckptopt.tracer.chain._Trials", "settled"),
     ("solve", "ckptopt.api", "solve"),
     ("solve", "ckptopt.planning.estimate", "solve"),
@@ -126,12 +129,17 @@ def _build(kind: str, cls: str, config: dict, shape: tuple):
     return model, dict(input_ids=ids, labels=ids)
 
 
-def _one(kind: str, model, batch, share: bool) -> dict:
+def _one(kind: str, model, batch, share: bool, one_core: bool = False) -> dict:
+    import os
+
     from ckptopt import optimize_checkpoints
     from ckptopt.planning import estimate
     from ckptopt.tracer import layers as layers_mod
 
     layers_mod.SHARE_MEASUREMENTS = share
+    cpu_count = os.cpu_count
+    if one_core:
+        os.cpu_count = lambda: 1
     seconds: dict = {}
     calls: dict = {}
     try:
@@ -149,6 +157,7 @@ def _one(kind: str, model, batch, share: bool) -> dict:
             total = time.perf_counter() - t0
     finally:
         layers_mod.SHARE_MEASUREMENTS = True
+        os.cpu_count = cpu_count
     seconds["other"] = max(0.0, total - sum(seconds.values()))
     return dict(total_seconds=round(total, 3), layers=n, parts={k: round(v, 3) for k, v in seconds.items()},
                 calls=calls, fingerprint=fingerprint)
@@ -161,11 +170,18 @@ def run_case(name: str) -> dict:
     kind, cls, config, shape = CASES[name]
     model, batch = _build(kind, cls, config, shape)
     _one(kind, model, batch, True)  # untimed: imports, compiled kernels
-    shared = _one(kind, model, batch, True)
+    runs: dict[bool, list] = {False: [], True: []}
+    for k in range(ROUNDS):  # (alternating, the order turned each round)
+        for one_core in ((False, True) if k % 2 == 0 else (True, False)):
+            runs[one_core].append(_one(kind, model, batch, True, one_core=one_core))
     alone = _one(kind, model, batch, False)
-    same = shared.pop("fingerprint") == alone.pop("fingerprint")
-    return dict(case=name, kind=kind, model=cls, config=config, batch=list(shape), shared=shared, alone=alone,
-                identical=same)
+    prints = {r.pop("fingerprint") for r in (*runs[False], *runs[True], alone)}
+    median = lambda rs: sorted(rs, key=lambda r: r["total_seconds"])[len(rs) // 2]  # noqa: E731
+    return dict(case=name, kind=kind, model=cls, config=config, batch=list(shape), rounds=ROUNDS,
+                shared=median(runs[False]), alone=alone, in_turn=median(runs[True]), identical=len(prints) == 1)
+
+
+ROUNDS = 3  # timed calls as it is and as on one core, each
 
 
 def main(argv=None) -> int:
@@ -187,7 +203,8 @@ def main(argv=None) -> int:
             continue
         s, a = rec["shared"], rec["alone"]
         print(f"{name}: {s['total_seconds']:.1f} s ({s['layers']} layers; every layer measured: "
-              f"{a['total_seconds']:.1f} s; identical {rec['identical']}) "
+              f"{a['total_seconds']:.1f} s; one core: {rec['in_turn']['total_seconds']:.1f} s; "
+              f"identical {rec['identical']}) "
               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s["parts"].items(), key=lambda kv: -kv[1])), flush=True)
     import subprocess
 

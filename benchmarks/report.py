@@ -528,20 +528,24 @@ def fast_planning(r: Results) -> str:
     rows = []
     for x in d["rows"]:
         if "error" in x:
-            rows.append([x["case"], "", "", "", *[""] * len(order), x["error"][:80]])
+            rows.append([x["case"], "", "", "", "", *[""] * len(order), x["error"][:80]])
             continue
-        s, a = x["shared"], x["alone"]
+        s, a, t = x["shared"], x["alone"], x.get("in_turn")
         rows.append([f"{x['case']} ({x['kind']})", s["layers"], secs(s["total_seconds"]), secs(a["total_seconds"]),
-                     *[secs(s["parts"].get(k)) for k in order], "identical" if x["identical"] else "DIFFERENT"])
+                     secs(t["total_seconds"]) if t else "–", *[secs(s["parts"].get(k)) for k in order],
+                     "identical" if x["identical"] else "DIFFERENT"])
     return block("### Where a planning second goes",
                  "`optimize_checkpoints` (and `estimate` of full-size models from their configuration, meta device, "
                  "for CUDA, bf16, AdamW), one thread, each case in a fresh process after one untimed call; parts are "
-                 "the time inside the function doing each. \"Every layer\": the same call with each layer measured "
-                 "(`SHARE_MEASUREMENTS = False`); the last column compares the two results byte for byte. An estimate "
+                 "the time inside the function doing each (\"crossing trials\": the time planning waits for them). "
+                 "\"Total\" and \"one core\" are medians of 3 calls each, alternating: \"one core\" is the same call "
+                 "with `os.cpu_count()` 1, so the crossings' trials and the stored-segment pass run one after the "
+                 "other rather than in threads beside other work. \"Every layer\": one call with each layer measured "
+                 "(`SHARE_MEASUREMENTS = False`). The last column compares all the calls' results byte for byte. An estimate "
                  "exports at the example's shapes (fixed), `optimize_checkpoints` with dynamic batch and sequence "
                  "dimensions. Load after "
                  f"the run: `{d['meta'].get('load_after', '?').split('load average:')[-1].strip()}`.",
-                 table(["case", "layers", "total", "every layer measured", *order, "costs"], rows),
+                 table(["case", "layers", "total", "every layer measured", "one core", *order, "costs"], rows),
                  source(r, "planning_time/latest.json"))
 
 
@@ -1250,6 +1254,7 @@ def glance(r: Results) -> str:
     lin = max(sol["seconds"]["linear"], key=int)
     tr = r("tracing_time/latest.json")["models"]
     full = r("full_size/latest.json")["rows"]
+    plan_t = {x["case"]: x["shared"]["total_seconds"] for x in r("planning_time/latest.json")["rows"] if "error" not in x}
     cal = [p["error_calibrated"] for rel in ("gpu_accuracy/latest-h100.json", "gpu_accuracy/latest-h200-gpt.json",
                                                "gpu_accuracy/latest-h200-bert-unet.json")
            for plans in r(rel)["peaks"].values() for p in plans if p.get("error_calibrated") is not None]
@@ -1264,7 +1269,10 @@ def glance(r: Results) -> str:
         f"against diffusers' {times(min(dif))} to {times(max(dif))}.",
         f"**Fast?** `linear` solves {int(lin):,} layers in {secs(sol['seconds']['linear'][lin])} (optimum pass); "
         f"tracing takes {secs(max(m['median_seconds'] for m in tr))} at most on the benchmark's large models "
-        f"({max(m['n'] for m in tr)} layers).",
+        f"({max(m['n'] for m in tr)} layers); `optimize_checkpoints` plans a 4-layer transformers Llama in "
+        f"{secs(plan_t.get('llama4'))} and a 12-layer one in {secs(plan_t.get('llama12'))}, and `estimate` takes "
+        f"{secs(plan_t.get('llama3-8b'))} for Llama-3-8B and {secs(plan_t.get('llama3-70b'))} for 70B (one thread, "
+        "\"Where a planning second goes\").",
         f"**Large?** {', '.join(x['model'] for x in full)} planned without weights in "
         f"{secs(max(x['seconds'] for x in full))} at most, with at most {mib(max(x['max_rss_bytes'] for x in full), 0)} "
         "resident.",

@@ -439,11 +439,6 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
     return layers, costs, hoisted, max_crossing
 
 
-#: Whether a crossing's trial runs beside the next crossing's measurement (:class:`_Trials`); off only to
-#: compare with one trial at a time (``benchmarks/planning_time.py``), which gives the same answer.
-TRIALS_BESIDE = True
-
-
 class _Trials:
     """The crossings' trial runs (:func:`~ckptopt.solvers.side_tensors.solves_within`), largest crossing
     first, each in a thread; :meth:`answer` is the first crossing whose trial finishes, else the last one
@@ -452,7 +447,7 @@ class _Trials:
     def __init__(self):
         self.pending: list[tuple] = []  # (crossing, (layers, costs), hoisted, future, stop flag), largest first
         self.last: tuple | None = None  # (crossing, (layers, costs) or None, hoisted, error or None)
-        self.overlap = TRIALS_BESIDE and (os.cpu_count() or 1) > 1
+        self.overlap = (os.cpu_count() or 1) > 1
         self._pool = ThreadPoolExecutor(max_workers=MAX_CROSSING.bit_length()) if self.overlap else None
         self._failed: tuple | None = None  # (crossing, layers) of the last trial that did not finish
 
