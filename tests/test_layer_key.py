@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch import nn
 
 from ckptopt import trace, zoo
+from ckptopt.tracer import layer_build
 from ckptopt.tracer import layers as layers_mod
 from ckptopt.tracer.layer_key import layer_key
 
@@ -107,14 +108,14 @@ def test_a_layer_measured_like_another_makes_no_module(name, monkeypatch):
     else:
         model, inputs = _hf(name)
     made, checked = [], []
-    module = layers_mod._Built.module
+    module = layer_build.Built.module
 
     def counting(self):
         if self._module is None:
             made.append(self)
         return module.fget(self)
 
-    parameters = layers_mod._Built.parameters
+    parameters = layer_build.Built.parameters
 
     def compared(self):
         got = parameters(self)
@@ -124,8 +125,8 @@ def test_a_layer_measured_like_another_makes_no_module(name, monkeypatch):
             checked.append(1)
         return got
 
-    monkeypatch.setattr(layers_mod._Built, "module", property(counting))
-    monkeypatch.setattr(layers_mod._Built, "parameters", compared)
+    monkeypatch.setattr(layer_build.Built, "module", property(counting))
+    monkeypatch.setattr(layer_build.Built, "parameters", compared)
     traced = trace(model, inputs)
     assert checked and len(checked) >= traced.n - 1
     assert len(made) < 0.8 * traced.n, (len(made), traced.n)

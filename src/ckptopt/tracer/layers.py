@@ -18,18 +18,16 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.nn as nn
 
 from ..costs import SideTensor
 from ..errors import TraceError
 from ..storages import storage_identity, storage_nbytes
 from ..torch_utils import tensor_leaves
 from .capture import module_path
-from .capture.base import attr as _attr
-from .cuts import WithLoss, op_label, subgraph
+from .cuts import WithLoss, op_label
 from .flops import layer_compute
 from .layer_costs import LayerMeasurement, measure_layer
-from .layer_key import layer_key
+from .layer_build import Built, build_layers
 from .side_tensors import Crossings
 
 __all__ = ["Layer", "measure_layers", "hoisted_side_tensors"]
@@ -81,7 +79,7 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     side gradients) is measured again with them so (:meth:`_Measurer.how`); and once more where the
     side tensors that pass finds change whether its output gradient outlives its backward.
     """
-    built, param_owner = _build_layers(fake_gm, groups, crossings, readable, values, placeholders, captured,
+    built, param_owner = build_layers(fake_gm, groups, crossings, readable, values, placeholders, captured,
                                        loss_fn, model_output, single_output)
     # what is static memory already: parameters, buffers, the model's inputs (a side tensor that is a view of
     # one, a buffer's causal mask narrowed to the sequence, adds no bytes of its own)
@@ -127,43 +125,6 @@ def measure_layers(fake_gm: fx.GraphModule, fake_mode: Any, groups: list[list[fx
     return m.layers, m.side, m.grad_store, m.grad_root, param_owner
 
 
-def _build_layers(fake_gm: fx.GraphModule, groups: list, crossings: Crossings, readable: set, values: dict,
-                  placeholders: list, captured: Any, loss_fn: Callable, model_output: Any,
-                  single_output: bool) -> tuple[list["_Built"], dict[int, int]]:
-    """Each group as a module over the shared parameters, taking its chain input, the side tensors it
-    reads and the static values it reads, returning its chain output and the side tensors it computes;
-    and which layer creates each parameter's gradient (the last that uses it)."""
-    param_owner: dict[int, int] = {}
-    built = []
-    for j, members in enumerate(groups):
-        last = j == len(groups) - 1
-        io = crossings.io[j]
-        x_node, statics = _layer_inputs(members, io.main_in, readable, values, placeholders, first=j == 0)
-        side_in = [crossings.nodes[t] for t in io.side_in]
-        side_out = [crossings.nodes[t] for t in io.side_out]
-        if last:
-            output = model_output
-            # what the model returns as it came in (HF returns the attention mask): read like a static
-            own = set(members)
-            for a in _nodes_in(model_output):
-                if (a not in own and a is not x_node and a not in side_in and a not in statics
-                        and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor)):
-                    statics.append(a)
-        elif side_out:
-            output = tuple(([io.main_out] if io.main_out is not None else []) + side_out)
-        else:
-            output = io.main_out
-        ins = ([x_node] if x_node is not None else []) + side_in + statics
-        graph = subgraph(fake_gm, members, ins, output, values)
-        b = _Built(members, x_node, side_in, side_out, statics, output, fake_gm, graph)
-        if last and not single_output:  # (the loss inside: a module of its own, never keyed)
-            b._module = WithLoss(fx.GraphModule(fake_gm, graph), loss_fn, captured.rebuild)
-        for p in b.parameters():
-            param_owner[id(p)] = j
-        built.append(b)
-    return built, param_owner
-
-
 def _loss_layer(layers: list[Layer], y: Any, model_output: fx.Node, loss_fn: Callable) -> Layer:
     """The loss as a layer of its own, after a model that returns one tensor."""
     loss = WithLoss(None, loss_fn)
@@ -200,7 +161,7 @@ class _Measurer:
         self.found.note(j, self.built[j], self.crossings.io[j], m)  # (as it goes: the release splits as b)
         return m
 
-    def compute(self, b: "_Built", x: list, others: list) -> dict:
+    def compute(self, b: "Built", x: list, others: list) -> dict:
         """The layer's forward and backward compute (:class:`Layer`'s ``flops``, ``backward_flops``), counted
         once per distinct layer (:func:`layer_key`)."""
         key = b.key(x[0] if x else None, dict(others=others)) if SHARE_MEASUREMENTS else None
@@ -236,60 +197,7 @@ class _Measurer:
                     side_layout=_lone_side_grad_layout(j, self.crossings, self.layers, side, shared))
 
 
-def _nodes_in(arg: Any) -> list[fx.Node]:
-    """The graph nodes inside an output structure, in order, once each."""
-    found: list[fx.Node] = []
-    fx.node.map_arg(arg, lambda n: found.append(n) if n not in found else None)
-    return found
-
-
-@dataclass
-class _Built:
-    """One layer: its nodes, inputs and outputs, and its graph over the model's graph module ``root``.
-    The module that runs it (``module``) is made when first asked for: a layer measured like another
-    never is (making it generates and compiles its code, a second per hundred layers)."""
-
-    members: list[fx.Node]
-    x_node: fx.Node | None
-    side_in: list[fx.Node]
-    side_out: list[fx.Node]
-    statics: list[fx.Node]
-    output: Any
-    root: fx.GraphModule
-    graph: fx.Graph
-    _module: Any = None
-
-    @property
-    def module(self) -> nn.Module:
-        if self._module is None:
-            self._module = fx.GraphModule(self.root, self.graph)
-        return self._module
-
-    def parameters(self) -> list[nn.Parameter]:
-        """The parameters ``module`` has (each once), read from the graph without making it."""
-        if self._module is not None:
-            return list(self._module.parameters())
-        found: dict[int, nn.Parameter] = {}
-        for n in self.graph.nodes:
-            if n.op == "get_attr":
-                obj = _attr(self.root, n.target)
-            elif n.op == "call_module":
-                obj = self.root.get_submodule(n.target)
-            else:
-                continue
-            params = [obj] if isinstance(obj, nn.Parameter) else obj.parameters() if isinstance(obj, nn.Module) else []
-            for p in params:
-                found.setdefault(id(p), p)
-        return list(found.values())
-
-    def key(self, x: Any, context: dict) -> tuple | None:
-        """:func:`layer_key` of the layer's module, from its graph (None for the layer with the loss)."""
-        if self._module is not None and not isinstance(self._module, fx.GraphModule):
-            return None
-        return layer_key(self.root, x, context, graph=self.graph)
-
-
-def _measure(j: int, b: _Built, crossings: Crossings, previous: LayerMeasurement | None, values: dict,
+def _measure(j: int, b: Built, crossings: Crossings, previous: LayerMeasurement | None, values: dict,
              param_owner: dict, n_built: int, shared: tuple = (), held: tuple = (),
              layout: tuple | None = None, pending: list[bool] | None = None,
              out_grad: bool = True, side_out_grad: tuple = (), hold_out: bool = False,
@@ -362,7 +270,7 @@ class _Found:
     # (to its last saved tensor, in its whole forward, in a checkpoint's first pass; with the reader's input
     # held, then dying too)
 
-    def note(self, j: int, b: _Built, io: Any, m: LayerMeasurement) -> None:
+    def note(self, j: int, b: Built, io: Any, m: LayerMeasurement) -> None:
         split = []
         none = [None] * len(io.side_in)
         for t, gain, full, ckpt, free in zip(io.side_in, m.side_in_last_gain,
@@ -759,39 +667,6 @@ def _held_pending(j: int, io: Any, side: list[SideTensor]) -> tuple[bool, ...]:
                        and side[u].grad_split < j < side[u].grad_last for u in range(len(side)))
         out.append(held)
     return tuple(out)
-
-
-def _layer_inputs(members: list[fx.Node], first_in: fx.Node | None, readable: set[fx.Node], values: dict,
-                  placeholders: list[fx.Node], first: bool = False) -> tuple[fx.Node | None, list[fx.Node]]:
-    """The layer's chain input and the static values it reads besides (in first-read order).
-
-    After a cut the chain input is the chain tensor crossing it (None when only side tensors
-    cross: the layer then reads side tensors and static values). The first layer's is the
-    model input that requires grad (at most one), else the first static tensor it reads.
-    """
-    own = set(members)
-    reads: list[fx.Node] = []
-    for n in members:
-        for a in n.all_input_nodes:
-            if a not in own and a not in reads and a.op != "get_attr" and isinstance(values.get(a), torch.Tensor):
-                reads.append(a)
-    if first_in is None and first:
-        grad = [a for a in reads if a.op == "placeholder" and values[a].requires_grad]
-        if len(grad) > 1:
-            raise TraceError(
-                f"the model takes several inputs that require grad ({', '.join(a.name for a in grad)}); the chain "
-                "model gives the first layer one such input: wrap the model so that one tensor requiring grad "
-                "goes in (e.g. the inputs concatenated), or detach the others",
-                node=members[0].name,
-            )
-        candidates = grad or [a for a in reads if a in readable]
-        if not candidates:
-            raise TraceError(
-                f"the model's first layer (from {members[0].name}) reads no tensor of the batch: the forward must "
-                "read at least one tensor input, and the chain model starts at the first op that does; pass the "
-                "batch as tensors (lists, numbers and strings are not read as data)", node=members[0].name)
-        first_in = candidates[0]
-    return first_in, [a for a in reads if a is not first_in and a in readable]
 
 
 def _layer_name(gm: fx.GraphModule, members: list[fx.Node]) -> str:
