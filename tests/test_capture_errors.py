@@ -501,3 +501,54 @@ def test_a_construct_in_transformers_own_wrapper_is_not_named_as_the_models():
     with pytest.raises(TraceError) as info:
         optimize_checkpoints(model, {"input_values": torch.randn(2, 2000)}, loss_fn=lambda out: out.logits.mean())
     assert "modeling_wav2vec2.py" in str(info.value) and "generic.py" not in str(info.value)
+
+
+class _HostDraws(nn.Module):
+    """A mask (``use``) or a skipped layer (LayerDrop at ``p``) drawn with numpy / Python's random."""
+
+    def __init__(self, how: str, p: float = 0.0):
+        super().__init__()
+        self.a, self.b, self.how, self.p = nn.Linear(8, 8), nn.Linear(8, 8), how, p
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+
+        h = torch.relu(self.a(x))
+        if self.how == "mask":
+            h = h * torch.from_numpy((np.random.rand(h.shape[-1]) < 0.5).astype("float32"))
+        elif random.uniform(0, 1) >= self.p:  # LayerDrop: drawn every step, used only where p > 0
+            h = torch.tanh(self.b(h))
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how,p", [("mask", 0.0), ("layerdrop", 0.5)])
+def test_a_forward_computing_with_numpy_or_python_random_draws_is_refused(how, p):
+    """A captured graph holds what numpy or Python's random drew while capturing, and the module would apply
+    that draw at every step: the forward's runs under different draws differ, so planning stops and says
+    so (a draw the forward does not use, LayerDrop at 0, plans: below)."""
+    with pytest.raises(TraceError, match="random numbers drawn outside torch") as err:
+        optimize_checkpoints(_HostDraws(how, p).train(), X.clone().requires_grad_(), loss_fn=lambda y: y.sum())
+    assert "Draw them with torch" in str(err.value)
+
+
+def test_an_unused_host_draw_plans_and_the_generators_are_put_back():
+    """LayerDrop at 0 drawn with random.uniform: every run alike, the plan trains as the model does; the
+    check's own draws leave numpy's and Python's generators where they were."""
+    import random
+
+    import numpy as np
+
+    from ckptopt.api import _check_forward_has_no_python_side_effects
+
+    torch.manual_seed(0)
+    model = _HostDraws("layerdrop", 0.0).train()
+    x = X.clone().requires_grad_()
+    opt = optimize_checkpoints(model, x, loss_fn=lambda y: y.sum(), in_place=False)
+    assert torch.equal(opt(x), model(x))
+    np.random.seed(5)
+    random.seed(5)
+    want = (np.random.get_state()[1].copy(), random.getstate())
+    assert _check_forward_has_no_python_side_effects(model, x) is None
+    assert np.array_equal(np.random.get_state()[1], want[0]) and random.getstate() == want[1]

@@ -16,7 +16,7 @@ from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
 from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, default_loss,
-                          describe_value, normalize_inputs, python_state, restore_python_state, source_line)
+                          describe_value, normalize_inputs, python_state, restore_python_state, source_line, own_checkpointing_hint)
 from .fake import fake_copy, idle_module_to, quiet_fake_errors
 from .tracer.capture import check_capture_mode
 
@@ -392,6 +392,88 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
             node=name) from exc
 
 
+class _HostRandom:
+    """The forward's runs under different draws of numpy's global generator and Python's ``random``
+    (:meth:`run`: seeded with the run's number first), each with every op it dispatches and the values
+    it reads besides fake tensors (tensors made outside the fake mode, Python numbers, fake tensors'
+    shapes): where two runs differ, the forward computes with what those generators draw (a mask, a
+    skipped layer), which a captured graph would hold fixed. A forward that draws and does not use the
+    draw (LayerDrop at 0 drawn with ``random.uniform``) runs alike. Both generators are put back as they
+    were."""
+
+    def __enter__(self):
+        import random
+
+        import numpy as np
+
+        self._states = (np.random.get_state(), random.getstate())
+        self.runs: list[list] = []
+        return self
+
+    def run(self):
+        """A dispatch mode recording one run (enter it inside the fake mode)."""
+        import random
+
+        import numpy as np
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        np.random.seed(len(self.runs))
+        random.seed(len(self.runs))
+        ops: list = []
+        self.runs.append(ops)
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append((func, _read_values((args, kwargs or {}))))
+                return func(*args, **(kwargs or {}))
+
+        return Record()
+
+    def differs(self) -> str | None:
+        """The first op where two runs differ (None: they ran alike)."""
+        first, *rest = self.runs
+        for other in rest:
+            for k, (a, b) in enumerate(zip(first, other)):
+                if a != b:
+                    return f"op {k} ({a[0]})"
+            if len(first) != len(other):
+                return f"op {min(len(first), len(other))} (one run has {abs(len(first) - len(other))} ops more)"
+        return None
+
+    def __exit__(self, *exc):
+        import random
+
+        import numpy as np
+
+        np.random.set_state(self._states[0])
+        random.setstate(self._states[1])
+        return False
+
+
+def _read_values(tree: Any) -> tuple:
+    """What an op reads besides fake tensors' data: shapes and dtypes, the bytes of real tensors (of up to a
+    million elements; the shape beyond), Python numbers and strings."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _pytree as pytree
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    out = []
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, FakeTensor):
+            out.append((leaf.shape, leaf.dtype))
+        elif isinstance(leaf, torch.Tensor):
+            value = None
+            if leaf.numel() <= 1_000_000 and leaf.device.type == "cpu" and leaf.dtype != torch.bfloat16:
+                with _disable_current_modes():  # (its bytes, not an op of the modes recording)
+                    value = hash(leaf.detach().contiguous().numpy().tobytes())
+            out.append(("real", leaf.shape, leaf.dtype, value))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append("nan" if leaf != leaf else leaf)  # (NaN equals nothing, itself included)
+        else:
+            out.append(type(leaf))
+    return tuple(out)
+
+
 def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: Any,
                                               front_end: str = "fx") -> str | None:
     """Raise when running the forward again changes a plain-Python attribute of a submodule.
@@ -403,7 +485,9 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     memory, the model itself is not touched); a change between the first
     and the second run (not a one-time lazy initialization) is an error.
     Attributes of any type are compared by :func:`describe_value` (no user
-    ``__eq__`` or ``__repr__`` is called).
+    ``__eq__`` or ``__repr__`` is called). The two runs draw differently from numpy's
+    and Python's global generators (:class:`_HostRandom`): runs that differ compute with
+    those draws, which a captured graph would hold fixed, and that is an error too.
 
     Returns a note for ``explain()`` when the check could not run: the model's own
     Python forward reads a tensor's value, which fake tensors do not have, in code the
@@ -413,10 +497,12 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     fake = fake_copy(model, normalize_inputs(example_inputs))
     copy = fake.model
     try:
-        with quiet_fake_errors(), idle_module_to(), fake.mode, torch.no_grad():
-            fake.inputs.call(copy)
+        with _HostRandom() as rng, quiet_fake_errors(), idle_module_to(), fake.mode, torch.no_grad():
+            with rng.run():
+                fake.inputs.call(copy)
             first = _summaries(python_state(copy))
-            fake.inputs.call(copy)
+            with rng.run():
+                fake.inputs.call(copy)
     except Exception as exc:
         construct = data_dependent_construct(exc)
         line = source_line(exc)
@@ -437,6 +523,15 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
             "check: ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
             node=name,
         ) from exc
+    differs = rng.differs()
+    if differs:
+        raise TraceError(
+            f"the forward of {name} computes with random numbers drawn outside torch (numpy's np.random or Python's "
+            f"random: two runs under different draws differ at {differs}): the graph ckptopt captures holds what "
+            "was drawn while capturing, so the module it returns would apply the same draw at every step. Draw "
+            "them with torch (torch.rand, torch.bernoulli: the graph draws anew each step), or turn the draw off "
+            "while training with ckptopt (transformers' speech models draw SpecAugment masks so: "
+            f"config.mask_time_prob=0 and mask_feature_prob=0), or {own_checkpointing_hint(model)}.", node=name)
     changed = _changes(first, _summaries(python_state(copy)), {id(m): p for p, m in copy.named_modules()})
     if changed:
         why = ("Checkpointing runs a segment's forward again during backward, so that change would happen "
