@@ -393,13 +393,13 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
 
 
 class _HostRandom:
-    """The forward's runs under different draws of numpy's global generator and Python's ``random``
-    (:meth:`run`: seeded with the run's number first), each with every op it dispatches and the values
-    it reads besides fake tensors (tensors made outside the fake mode, Python numbers, fake tensors'
-    shapes): where two runs differ, the forward computes with what those generators draw (a mask, a
-    skipped layer), which a captured graph would hold fixed. A forward that draws and does not use the
-    draw (LayerDrop at 0 drawn with ``random.uniform``) runs alike. Both generators are put back as they
-    were."""
+    """Whether the forward draws from numpy's global generator or Python's ``random`` (:meth:`moved`), and
+    runs of it under different draws (:meth:`run`: seeded with the run's number first), each with every op
+    it dispatches and the values it reads besides fake tensors (tensors made outside the fake mode, Python
+    numbers, fake tensors' shapes): where two runs differ, the forward computes with what those generators
+    draw (a mask, a skipped layer), which a captured graph would hold fixed. A forward that draws and does
+    not use the draw (LayerDrop at 0 drawn with ``random.uniform``) runs alike. Both generators are put back
+    as they were."""
 
     def __enter__(self):
         import random
@@ -409,6 +409,16 @@ class _HostRandom:
         self._states = (np.random.get_state(), random.getstate())
         self.runs: list[list] = []
         return self
+
+    def moved(self) -> bool:
+        """Whether either generator has drawn since entering."""
+        import random
+
+        import numpy as np
+
+        (np_before, py_before), np_now = self._states, np.random.get_state()
+        return not (np_before[2:] == np_now[2:] and np.array_equal(np_before[1], np_now[1])
+                    and py_before == random.getstate())
 
     def run(self):
         """A dispatch mode recording one run (enter it inside the fake mode)."""
@@ -498,11 +508,14 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     copy = fake.model
     try:
         with _HostRandom() as rng, quiet_fake_errors(), idle_module_to(), fake.mode, torch.no_grad():
-            with rng.run():
-                fake.inputs.call(copy)
+            fake.inputs.call(copy)
             first = _summaries(python_state(copy))
-            with rng.run():
-                fake.inputs.call(copy)
+            fake.inputs.call(copy)
+            second = _summaries(python_state(copy))
+            if rng.moved():  # (after two runs: caches and lazy state are what every later run sees)
+                for _ in range(2):
+                    with rng.run():
+                        fake.inputs.call(copy)
     except Exception as exc:
         construct = data_dependent_construct(exc)
         line = source_line(exc)
@@ -523,7 +536,14 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
             "check: ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
             node=name,
         ) from exc
-    differs = rng.differs()
+    differs = rng.differs() if rng.runs else None
+    if rng.runs and not differs:
+        warnings.warn(
+            f"the forward of {name} draws random numbers outside torch (numpy's np.random or Python's random), and "
+            "two runs under different draws computed alike, so the plan takes the draw as unused (LayerDrop at 0). "
+            "If it can change what the forward computes (LayerDrop above 0, a mask), the module ckptopt returns "
+            "applies the draw made while capturing at every step: draw with torch (torch.rand) instead.",
+            stacklevel=3)
     if differs:
         raise TraceError(
             f"the forward of {name} computes with random numbers drawn outside torch (numpy's np.random or Python's "
@@ -532,7 +552,7 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
             "them with torch (torch.rand, torch.bernoulli: the graph draws anew each step), or turn the draw off "
             "while training with ckptopt (transformers' speech models draw SpecAugment masks so: "
             f"config.mask_time_prob=0 and mask_feature_prob=0), or {own_checkpointing_hint(model)}.", node=name)
-    changed = _changes(first, _summaries(python_state(copy)), {id(m): p for p, m in copy.named_modules()})
+    changed = _changes(first, second, {id(m): p for p, m in copy.named_modules()})
     if changed:
         why = ("Checkpointing runs a segment's forward again during backward, so that change would happen "
                "twice per training step." if front_end == "fx" else
