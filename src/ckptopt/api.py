@@ -495,9 +495,10 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
     memory, the model itself is not touched); a change between the first
     and the second run (not a one-time lazy initialization) is an error.
     Attributes of any type are compared by :func:`describe_value` (no user
-    ``__eq__`` or ``__repr__`` is called). The two runs draw differently from numpy's
-    and Python's global generators (:class:`_HostRandom`): runs that differ compute with
-    those draws, which a captured graph would hold fixed, and that is an error too.
+    ``__eq__`` or ``__repr__`` is called). Where the runs draw from numpy's or Python's
+    global generator, two more runs under different draws follow (:class:`_HostRandom`):
+    runs that differ compute with those draws, which a captured graph would hold fixed,
+    and that is an error too; runs alike plan with a warning.
 
     Returns a note for ``explain()`` when the check could not run: the model's own
     Python forward reads a tensor's value, which fake tensors do not have, in code the
