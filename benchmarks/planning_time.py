@@ -9,8 +9,8 @@ then the timed call: three times as it is and three times as on one core (``os.c
 crossings' trials and the stored-segment pass each wait for the program before them, instead of running
 beside it in a thread), alternating, medians of each, to show what that overlap saves; and once with every
 layer measured (``SHARE_MEASUREMENTS = False``, not layers alike once: ``ckptopt.tracer.layer_key``), to
-show what sharing saves. The costs of all calls are compared byte for byte. Each part's time is the time spent inside the function that does
-it (wrapped for the run; a part called several times is summed):
+show what sharing saves. The costs of all calls are compared byte for byte. Each part's time is the time
+spent inside the function that does it (wrapped for the run; a part called several times is summed):
 
 * ``capture``: the model to a graph (``torch.export`` or ``torch.fx``);
 * ``propagate``: the graph run once on a fake copy of the model;

@@ -1,6 +1,7 @@
 """The tracer: cuts, opaque layers, errors, and predictions against measured memory."""
 
 import copy
+import os
 import subprocess
 import sys
 
@@ -362,7 +363,7 @@ def test_crossing_trials_beside_measuring_answer_as_one_after_the_other(monkeypa
     with pytest.raises(TraceError, match="smaller crossing"):
         trace(model, x)
     # one core: the trials run one at a time, to the same answer
-    monkeypatch.setattr(chain.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
     monkeypatch.setattr(chain, "_measured_costs", measured)
     monkeypatch.setattr(chain, "solves_within", lambda costs, max_work, stop=None: costs.n != sizes[8])
     assert trace(model, x).max_crossing == 4

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -16,7 +18,8 @@ from .rewriter import CheckpointedModule, apply_plan
 from .simulator import simulate
 from .solvers.registry import check_budget, lookup, solve
 from .torch_utils import (ATOMS, PythonState, base_container, data_dependent_construct, default_loss,
-                          describe_value, normalize_inputs, python_state, restore_python_state, source_line, own_checkpointing_hint)
+                          describe_value, normalize_inputs, own_checkpointing_hint, python_state,
+                          restore_python_state, source_line)
 from .fake import fake_copy, idle_module_to, quiet_fake_errors
 from .tracer.capture import check_capture_mode
 
@@ -394,37 +397,23 @@ def _verify_training_step(module: CheckpointedModule, example_inputs: Any, loss_
 
 class _HostRandom:
     """Whether the forward draws from numpy's global generator or Python's ``random`` (:meth:`moved`), and
-    runs of it under different draws (:meth:`run`: seeded with the run's number first), each with every op
-    it dispatches and the values it reads besides fake tensors (tensors made outside the fake mode, Python
-    numbers, fake tensors' shapes): where two runs differ, the forward computes with what those generators
-    draw (a mask, a skipped layer), which a captured graph would hold fixed. A forward that draws and does
-    not use the draw (LayerDrop at 0 drawn with ``random.uniform``) runs alike. Both generators are put back
-    as they were."""
+    two runs of it under different draws (:meth:`run`: seeded with the run's number first), each with every
+    op it dispatches and the values it reads besides fake tensors' data (:func:`_read_values`): where the
+    runs differ, the forward computes with what those generators draw (a mask, a skipped layer), which a
+    captured graph would hold fixed. A forward that draws and does not use the draw (LayerDrop at 0 drawn
+    with ``random.uniform``) runs alike. Both generators are put back as they were."""
 
     def __enter__(self):
-        import random
-
-        import numpy as np
-
-        self._states = (np.random.get_state(), random.getstate())
+        self._before = _host_rng_state()
         self.runs: list[list] = []
         return self
 
     def moved(self) -> bool:
         """Whether either generator has drawn since entering."""
-        import random
-
-        import numpy as np
-
-        (np_before, py_before), np_now = self._states, np.random.get_state()
-        return not (np_before[2:] == np_now[2:] and np.array_equal(np_before[1], np_now[1])
-                    and py_before == random.getstate())
+        return not _same_rng_state(self._before, _host_rng_state())
 
     def run(self):
         """A dispatch mode recording one run (enter it inside the fake mode)."""
-        import random
-
-        import numpy as np
         from torch.utils._python_dispatch import TorchDispatchMode
 
         np.random.seed(len(self.runs))
@@ -440,29 +429,35 @@ class _HostRandom:
         return Record()
 
     def differs(self) -> str | None:
-        """The first op where two runs differ (None: they ran alike)."""
-        first, *rest = self.runs
-        for other in rest:
-            for k, (a, b) in enumerate(zip(first, other)):
-                if a != b:
-                    return f"op {k} ({a[0]})"
-            if len(first) != len(other):
-                return f"op {min(len(first), len(other))} (one run has {abs(len(first) - len(other))} ops more)"
+        """Where the two runs first differ (None: they ran alike, or did not run)."""
+        if not self.runs:
+            return None
+        a, b = self.runs
+        for k, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"op {k} ({x[0]})"
+        if len(a) != len(b):
+            return f"op {min(len(a), len(b))} (one run has {abs(len(a) - len(b))} ops more)"
         return None
 
     def __exit__(self, *exc):
-        import random
-
-        import numpy as np
-
-        np.random.set_state(self._states[0])
-        random.setstate(self._states[1])
+        np.random.set_state(self._before[0])
+        random.setstate(self._before[1])
         return False
 
 
+def _host_rng_state() -> tuple:
+    return np.random.get_state(), random.getstate()
+
+
+def _same_rng_state(a: tuple, b: tuple) -> bool:
+    (np_a, py_a), (np_b, py_b) = a, b
+    return np_a[2:] == np_b[2:] and np.array_equal(np_a[1], np_b[1]) and py_a == py_b
+
+
 def _read_values(tree: Any) -> tuple:
-    """What an op reads besides fake tensors' data: shapes and dtypes, the bytes of real tensors (of up to a
-    million elements; the shape beyond), Python numbers and strings."""
+    """What an op reads besides fake tensors' data: fake tensors' shapes and dtypes, the bytes of real tensors
+    (of up to a million elements; the shape beyond), anything else as :func:`describe_value` gives it."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils import _pytree as pytree
     from torch.utils._python_dispatch import _disable_current_modes
@@ -477,10 +472,8 @@ def _read_values(tree: Any) -> tuple:
                 with _disable_current_modes():  # (its bytes, not an op of the modes recording)
                     value = hash(leaf.detach().contiguous().numpy().tobytes())
             out.append(("real", leaf.shape, leaf.dtype, value))
-        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            out.append("nan" if leaf != leaf else leaf)  # (NaN equals nothing, itself included)
         else:
-            out.append(type(leaf))
+            out.append(describe_value(leaf, 0))
     return tuple(out)
 
 
@@ -537,7 +530,7 @@ def _check_forward_has_no_python_side_effects(model: nn.Module, example_inputs: 
             "check: ckptopt.apply_plan(model, ckptopt.trace(model, x), ckptopt.solve(...)).",
             node=name,
         ) from exc
-    differs = rng.differs() if rng.runs else None
+    differs = rng.differs()
     if rng.runs and not differs:
         warnings.warn(
             f"the forward of {name} draws random numbers outside torch (numpy's np.random or Python's random), and "

@@ -6,7 +6,9 @@ Each figure is where a solver or a pass stops being worth its time on a
 
 from __future__ import annotations
 
-__all__ = ["BRUTE_MAX_N", "SIDE_AUTO_MAX_WORK", "DP_ROUTINE_MAX_N", "AUTO_EXACT_MAX_N", "TIE_BREAK_MAX_WORK",
+import os
+
+__all__ = ["spare_core", "BRUTE_MAX_N", "SIDE_AUTO_MAX_WORK", "DP_ROUTINE_MAX_N", "AUTO_EXACT_MAX_N", "TIE_BREAK_MAX_WORK",
            "STORED_SIDE_MAX_WORK", "FRONT_FALLBACK_MAX_N",
            "BUDGET_SIDE_MAX_WORK", "BUDGET_SIDE_BUCKETS", "within_tie_break"]
 
@@ -58,3 +60,9 @@ BUDGET_SIDE_MAX_WORK = 20 * TIE_BREAK_MAX_WORK
 #: one that recomputes least), within 8 times the work (then the lowest-peak plan). On that UNet: 7 s,
 #: 1.4% more recomputation than the exact front's plan (256 buckets: 8 s, 0.003%).
 BUDGET_SIDE_BUCKETS = 128
+
+
+def spare_core() -> bool:
+    """Whether a compiled program (they release the GIL) can run in a thread beside other work: more than
+    one core. Where it cannot, the programs run one after the other, to the same answers."""
+    return (os.cpu_count() or 1) > 1

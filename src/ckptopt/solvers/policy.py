@@ -17,11 +17,9 @@ and the planning helpers (through ``solve(costs, "auto", budget)``):
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 
@@ -30,9 +28,8 @@ from ..errors import InfeasibleBudget
 from ..plan import Plan, Solution
 from ..simulator import plan_recompute, simulate
 from .exact import dp2, tie_break
-from .limits import (AUTO_EXACT_MAX_N, BUDGET_SIDE_BUCKETS, BUDGET_SIDE_MAX_WORK, FRONT_FALLBACK_MAX_N, STORED_SIDE_MAX_WORK,
-                     TIE_BREAK_MAX_WORK,
-                     within_tie_break)
+from .limits import (AUTO_EXACT_MAX_N, BUDGET_SIDE_BUCKETS, BUDGET_SIDE_MAX_WORK, FRONT_FALLBACK_MAX_N,
+                     STORED_SIDE_MAX_WORK, TIE_BREAK_MAX_WORK, spare_core, within_tie_break)
 from .linear import linear
 from .pareto import FrontPoint, FrontTooLarge, least_recompute, pareto_front
 
@@ -122,16 +119,17 @@ def _lowest_with_stored(costs: ChainCosts, peak: int, max_work: int, stop=None) 
     return best
 
 
-_NOT_RUN = object()  # (_stored_pass: the stored program has not run yet)
-
-
 def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[int, ...],
-                 peak: int, max_work: int = TIE_BREAK_MAX_WORK, found: Any = _NOT_RUN) -> FrontPoint | None:
-    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's
-    (``found``: :func:`_lowest_with_stored`'s answer at ``peak``, where it has run already)."""
+                 peak: int, max_work: int = TIE_BREAK_MAX_WORK) -> FrontPoint | None:
+    """A plan with unwrapped middle segments whose (peak, recomputation) is below the given plan's."""
     if costs.is_additive or not within_tie_break(costs.n):
         return None
-    best = _lowest_with_stored(costs, peak, max_work) if found is _NOT_RUN else found
+    return _below(costs, _lowest_with_stored(costs, peak, max_work), checkpoints, stored, peak)
+
+
+def _below(costs: ChainCosts, best: FrontPoint | None, checkpoints: tuple[int, ...], stored: tuple[int, ...],
+           peak: int) -> FrontPoint | None:
+    """``best`` where its (peak, recomputation) is below that of the plan given (peaking at ``peak``)."""
     if best is None or (best.peak_bytes, best.recompute) >= (peak, plan_recompute(costs, checkpoints, stored)):
         return None
     return best
@@ -139,28 +137,27 @@ def _stored_pass(costs: ChainCosts, checkpoints: tuple[int, ...], stored: tuple[
 
 def _side_tie_break_and_stored(costs: ChainCosts, value: int) -> tuple[Solution | None, FrontPoint | None]:
     """``(tie-break, stored pass)`` at the side-tensor optimum ``value`` (static excluded): the stored pass
-    only where the tie-break finishes (None otherwise). Both programs release the GIL, so with more than
-    one core the stored pass runs in a thread beside the tie-break (it is capped at the same peak, known
-    before either runs) and is stopped when the tie-break does not finish: the answer is the one running
-    them in turn gives."""
-    peak = int(value) + costs.static
-    if costs.is_additive or (os.cpu_count() or 1) < 2:
+    only where the tie-break finishes (None otherwise). Both programs release the GIL, so with a spare core
+    the stored pass runs in a thread beside the tie-break (it is capped at the same peak, known before
+    either runs) and is stopped when the tie-break does not finish: the answer is the one running them in
+    turn gives."""
+    if costs.is_additive or not spare_core():
         sol = tie_break(costs, value)
         return sol, (None if sol is None else _stored_pass(costs, sol.checkpoints, (), sol.optimum,
                                                             STORED_SIDE_MAX_WORK))
     stop = np.zeros(1, dtype=np.int64)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(_lowest_with_stored, costs, peak, STORED_SIDE_MAX_WORK, stop)
+        pending = pool.submit(_lowest_with_stored, costs, int(value) + costs.static, STORED_SIDE_MAX_WORK, stop)
         sol = None
         try:
             sol = tie_break(costs, value)
         finally:
             if sol is None:  # (or an error: the stored pass is not needed)
                 stop[0] = 1
-        found = pending.result()
+        best = pending.result()
     if sol is None:
         return None, None
-    return sol, _stored_pass(costs, sol.checkpoints, (), sol.optimum, STORED_SIDE_MAX_WORK, found)
+    return sol, _below(costs, best, sol.checkpoints, (), sol.optimum)
 
 
 def improve_with_stored(costs: ChainCosts, plan: Plan) -> Plan:

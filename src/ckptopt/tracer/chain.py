@@ -18,13 +18,12 @@ in a few MB.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import networkx as nx
 import numpy as np
@@ -42,7 +41,7 @@ from .capture import Captured, check_capture_mode
 from .capture import capture as capture_graph
 from .capture.export import OPAQUE_ROUNDS
 from .capture.opaque import starting_with
-from ..solvers.limits import SIDE_AUTO_MAX_WORK
+from ..solvers.limits import SIDE_AUTO_MAX_WORK, spare_core
 from ..solvers.side_tensors import solves_within
 from .cuts import MAX_CROSSING, SIDE_AUTO_MAX_N, candidate_groups
 from .meta import unmaterialized
@@ -439,40 +438,48 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
     return layers, costs, hoisted, max_crossing
 
 
+class _Trial(NamedTuple):
+    """One crossing's trial run (:func:`~ckptopt.solvers.side_tensors.solves_within`)."""
+
+    crossing: int
+    measured: tuple  # (layers, costs)
+    hoisted: list
+    done: Future  # whether the program finished within its work limit
+    stop: np.ndarray  # set to 1 to end it early
+
+
 class _Trials:
-    """The crossings' trial runs (:func:`~ckptopt.solvers.side_tensors.solves_within`), largest crossing
-    first, each in a thread; :meth:`answer` is the first crossing whose trial finishes, else the last one
-    measured (:attr:`last`, which needs no trial). With one core the trials run one at a time."""
+    """The crossings' trial runs, largest crossing first, each in a thread; :meth:`answer` is the first
+    crossing whose trial finishes, else the last one measured (:attr:`last`, which needs no trial). Without
+    a spare core the trials run one at a time."""
 
     def __init__(self):
-        self.pending: list[tuple] = []  # (crossing, (layers, costs), hoisted, future, stop flag), largest first
+        self.pending: list[_Trial] = []  # largest crossing first
         self.last: tuple | None = None  # (crossing, (layers, costs) or None, hoisted, error or None)
-        self.overlap = (os.cpu_count() or 1) > 1
-        self._pool = ThreadPoolExecutor(max_workers=MAX_CROSSING.bit_length()) if self.overlap else None
+        self._pool = ThreadPoolExecutor(max_workers=MAX_CROSSING.bit_length()) if spare_core() else None
         self._failed: tuple | None = None  # (crossing, layers) of the last trial that did not finish
 
     def start(self, crossing: int, measured: tuple, hoisted: list) -> None:
         stop = np.zeros(1, dtype=np.int64)
         if self._pool is not None:
-            fut = self._pool.submit(solves_within, measured[1], SIDE_AUTO_MAX_WORK, stop)
+            done = self._pool.submit(solves_within, measured[1], SIDE_AUTO_MAX_WORK, stop)
         else:
-            fut = Future()
-            fut.set_result(solves_within(measured[1], SIDE_AUTO_MAX_WORK, stop))
-        self.pending.append((crossing, measured, hoisted, fut, stop))
+            done = Future()
+            done.set_result(solves_within(measured[1], SIDE_AUTO_MAX_WORK, stop))
+        self.pending.append(_Trial(crossing, measured, hoisted, done, stop))
 
     def settled(self, timeout: float | None = None) -> bool:
         """Whether the answer is known: the largest pending trial finished (waiting up to ``timeout``
         seconds for it; None: as long as it takes), or failed and the next one did, and so on. Failed
         trials leave the list."""
         while self.pending:
-            crossing, measured, _, fut, _ = self.pending[0]
+            trial = self.pending[0]
             try:
-                done = fut.result(timeout=timeout)
+                if trial.done.result(timeout=timeout):
+                    return True
             except FutureTimeout:
                 return False
-            if done:
-                return True
-            self._failed = (crossing, measured[1].n)
+            self._failed = (trial.crossing, trial.measured[1].n)
             self.pending.pop(0)
         return False
 
@@ -480,22 +487,23 @@ class _Trials:
         """``((crossing, (layers, costs), hoisted), failed)``: ``failed`` the last larger crossing whose trial
         did not finish (None if none)."""
         if self.settled():
-            crossing, measured, hoisted, _, _ = self.pending[0]
-            return (crossing, measured, hoisted), self._failed
+            trial = self.pending[0]
+            return (trial.crossing, trial.measured, trial.hoisted), self._failed
         crossing, measured, hoisted, error = self.last
         if error is not None:
             raise error
         return (crossing, measured, hoisted), self._failed
 
     def stop_all(self) -> None:
-        for *_, stop in self.pending:
-            stop[0] = 1
+        for trial in self.pending:
+            trial.stop[0] = 1
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
 
 def _measured_costs(run: _Propagated, grouping: _Grouping, groups: list, hoisted: list, captured: Captured,
-                    loss_fn: Callable, static: _StaticBytes, memo: dict | None = None) -> tuple[list[Layer], ChainCosts]:
+                    loss_fn: Callable, static: _StaticBytes,
+                    memo: dict | None = None) -> tuple[list[Layer], ChainCosts]:
     """``(layers, costs)`` of one grouping: the layers measured (``memo``: the measurements of layers alike,
     :mod:`~ckptopt.tracer.layer_key`), the side tensors found."""
     gm, values, out_node = run.fake_gm, run.values, grouping.out_node
