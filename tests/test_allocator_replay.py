@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from benchmarks.allocator_replay import replay_all
 from benchmarks.cuda_alloc_traces import trace_files
-from ckptopt.simulator.allocator import AllocatorRules, CachingAllocator, ExpandableAllocator, replay
+from ckptopt.simulator.allocator import AllocatorRules, CachingAllocator, CapacityReplays, ExpandableAllocator, replay
 
 KiB, MiB = 1024, 1 << 20
 
@@ -168,3 +168,72 @@ def test_without_them_every_answer_is_right_and_within_one_segment():
     for r in rows:
         assert r["fits_answer_right"], r["name"]
         assert r["max_abs_peak_error"] <= r["largest_segment"], r["name"]
+
+
+def _scanning(capacity, rules):
+    """A caching allocator that finds each new segment's address by scanning the live segments (as it
+    does for a recorded trace's addresses), not from its list of gaps."""
+    a = CachingAllocator(capacity, rules)
+    a._gaps = None
+    return a
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences(), st.sampled_from([None, 4 * MiB, 24 * MiB]))
+def test_gaps_place_segments_where_scanning_the_live_ones_does(case, max_split):
+    events, capacity = case
+    rules = AllocatorRules(max_split_size=max_split)
+    a, ref = CachingAllocator(capacity, rules), _scanning(capacity, rules)
+    for i, (what, key, size) in enumerate(events):
+        if what == "alloc":
+            served = a.malloc(key, size)
+            assert ref.malloc(key, size) == served
+            if not served:
+                break
+            if i % 5 == 4:  # (releasing the cache opens gaps below the highest segment)
+                a.release_cached()
+                ref.release_cached()
+        else:
+            a.free(key)
+            ref.free(key)
+        assert [(s.addr, s.size) for s in a.segments] == [(s.addr, s.size) for s in ref.segments]
+        assert a._gaps == _gaps_of(a._spans)
+
+
+def _gaps_of(spans):
+    out, end = [], 0
+    for addr, size in spans:
+        if addr > end:
+            out.append((end, addr - end))
+        end = addr + size
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(sequences(), st.booleans(), st.sampled_from([None, 4 * MiB]), st.lists(st.integers(2, 80), max_size=6))
+def test_replays_resumed_where_a_capacity_first_matters_are_the_replays(case, expandable, max_split, capacities):
+    events, _ = case
+    rules = AllocatorRules(max_split_size=max_split)
+    replays = CapacityReplays(events, rules, expandable)
+    assert replays.unlimited == replay(events, None, rules, expandable)
+    for c in capacities:  # (in the order given: each resumes from the states kept by those before)
+        assert replays.replay(c * MiB) == replay(events, c * MiB, rules, expandable)
+        for at, kept in replays._states.items():  # each kept state is still the unlimited one's there
+            fresh = (ExpandableAllocator if expandable else CachingAllocator)(None, rules)
+            for what, key, size in events[:at]:
+                assert fresh.malloc(key, size) if what == "alloc" else fresh.free(key) is None
+            assert _state(kept) == _state(fresh)
+
+
+def _state(a):
+    """Everything of an allocator's state a later request can depend on, by value."""
+    segments = []
+    for s in a.segments:
+        b, blocks = s.head, []
+        while b is not None:
+            blocks.append((b.addr, b.size, b.free, b.mapped))
+            b = b.next
+        segments.append((s.addr, s.size, s.small, s.stream, blocks))
+    pools = {small: [k[:3] for k in pool] for small, pool in a._pools.items()}
+    live = {key: (b.addr, b.size) for key, b in a._live.items()}
+    return (segments, pools, live, a._spans, a._gaps, a.reserved, a.allocated, a.max_reserved, a.max_allocated)

@@ -167,6 +167,10 @@ def test_estimate_on_cuda_needs_the_least_memory_the_replay_runs_the_steps_in(mo
         need = est.needed_bytes(pe)
         assert need >= pe.peak_bytes
         assert replay(events, need).fits and not replay(events, need - 2 * MiB).fits
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # (the plan found before the replay, not beside it)
+    assert estimate(model, x, device="cuda") == est
     off = estimate(model, x, device="cuda", keep_output=True)
     assert off.replayed is None and "keeps the output" in off.replay_note
 

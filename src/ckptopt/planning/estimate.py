@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -281,6 +282,46 @@ def least_recompute_plan(costs: ChainCosts, budget: int) -> Plan | None:
 LEAST_RECOMPUTE_MAX_WORK = 10 * TIE_BREAK_MAX_WORK
 
 
+#: the labels of :attr:`Estimate.no_checkpointing` and :attr:`Estimate.optimal` (and their replayed needs)
+NO_CHECKPOINTING, OPTIMAL_PLAN = "no checkpointing", "optimal plan"
+
+
+def _plan_and_replay(model, inputs: Inputs, loss_fn, tm, rank: RankCosts, opt: OptimizerMemory,
+                     why_not: str | None) -> tuple[Plan, dict | None, str | None]:
+    """``(optimal plan, replayed needs by label, why not replayed)``: :func:`optimal_plan`, and where
+    ``why_not`` is None the caching allocator's replay of no checkpointing and of that plan
+    (:func:`~ckptopt.planning.reserved.replayed_needs`).
+
+    No checkpointing's replay does not depend on the plan. So with a spare core the plan is found in a
+    thread beside it: its programs (the side-tensor Pareto passes, seconds on an 8B Llama) release the
+    GIL, while the replay's fake step holds it. The answer is the one running them in turn gives."""
+    if why_not is not None:
+        return optimal_plan(rank, opt), None, why_not
+    from ..rewriter import apply_plan
+    from ..solvers.limits import spare_core
+    from .reserved import replayed_needs
+
+    def replay(builds):
+        return replayed_needs(model, inputs, loss_fn, builds, opt.name, opt.impl)
+
+    if spare_core():
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(optimal_plan, rank, opt)
+            replayed, why_not = replay({NO_CHECKPOINTING: None})
+            best = pending.result()
+    else:
+        best = optimal_plan(rank, opt)
+        replayed, why_not = replay({NO_CHECKPOINTING: None})
+    if replayed is None:
+        return best, None, why_not
+    if not (best.checkpoints or best.stored):  # (the optimal plan checkpoints nothing)
+        return best, {**replayed, OPTIMAL_PLAN: replayed[NO_CHECKPOINTING]}, None
+    planned, why_not = replay({OPTIMAL_PLAN: lambda fm: apply_plan(fm, tm, best)})
+    if planned is None:
+        return best, None, why_not
+    return best, {**replayed, **planned}, None
+
+
 @dataclass(frozen=True)
 class Estimate:
     """What :func:`estimate` returns: the step's peak with no checkpointing and with the optimal plan."""
@@ -451,23 +492,13 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     rank = rank_costs(tm.costs, param_facts(model, tm if is_sharded(parallel) else None, parallel=parallel),
                       tm.param_bytes, parallel)
     opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
-    best = optimal_plan(rank, opt)
+    why_not = replay_declined(dev, headroom, parallel, keep_output)
+    best, replayed, why_not = _plan_and_replay(model, inputs, loss_fn, tm, rank, opt, why_not)
     kept = [(0, 0), (0, 0)]
     if keep_output:
         check_keep_output(parallel)
         kept = kept_output_extra(model, inputs, loss_fn, tm, [(), best])
-    none = peak_estimate(rank, (), opt, "no checkpointing", kept[0])
-    optimal = peak_estimate(rank, best, opt, "optimal plan", kept[1])
-    replayed, why_not = None, replay_declined(dev, headroom, parallel, keep_output)
-    if why_not is None:
-        from ..rewriter import apply_plan
-        from .reserved import replayed_needs
-
-        builds = {none.label: None}
-        if best.checkpoints or best.stored:
-            builds[optimal.label] = lambda fm: apply_plan(fm, tm, best)
-        replayed, why_not = replayed_needs(model, inputs, loss_fn, builds, opt.name, opt.impl)
-        if replayed is not None and optimal.label not in replayed:  # (the optimal plan checkpoints nothing)
-            replayed[optimal.label] = replayed[none.label]
+    none = peak_estimate(rank, (), opt, NO_CHECKPOINTING, kept[0])
+    optimal = peak_estimate(rank, best, opt, OPTIMAL_PLAN, kept[1])
     return Estimate(batch_of(inputs), tm.n, opt, rank.param_bytes, rank.grad_bytes, none, optimal, hr, calibrated,
                     parallel, replayed, why_not if str(dev).startswith("cuda") else None)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..simulator.allocator import AllocatorRules, ReplayResult, replay
+from ..simulator.allocator import AllocatorRules, CapacityReplays, ReplayResult, replay
 from ..storages import real_storage
 from ..tracker import StorageTracker
 from .optimizer import check_optimizer, step_allocations
@@ -264,11 +264,12 @@ def least_capacity(events: list, conf: str | None = None, step: int = 2 * 1024 *
     expandable, rules, unsupported = allocator_settings(conf)
     if unsupported:
         raise ValueError(f"cannot replay the CUDA allocator: {unsupported}")
-    free = replay(events, None, rules, expandable)
+    replays = CapacityReplays(events, rules, expandable)
+    free = replays.unlimited
     lo, hi = free.max_allocated - 1, free.max_reserved  # (fails at lo: less than its live blocks; fits at hi)
     while hi - lo > step:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if replay(events, mid, rules, expandable).fits else (mid, hi)
+        lo, hi = (lo, mid) if replays.replay(mid).fits else (mid, hi)
     return hi
 
 

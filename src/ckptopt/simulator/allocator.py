@@ -34,11 +34,12 @@ without them. The simulator stage imports no torch: this module works on sizes a
 from __future__ import annotations
 
 import bisect
+import copy as _copy
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
-__all__ = ["AllocatorRules", "CachingAllocator", "ExpandableAllocator", "ReplayResult", "replay"]
+__all__ = ["AllocatorRules", "CachingAllocator", "CapacityReplays", "ExpandableAllocator", "ReplayResult", "replay"]
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -131,12 +132,18 @@ class CachingAllocator:
 
     def __post_init__(self):
         self.reserved = self.max_reserved = self.allocated = self.max_allocated = 0
+        #: the most any reservation so far asked to hold (what was reserved plus the new segment), whether
+        #: or not the capacity let it: under a capacity at least this, every request so far ran as without one
+        self.demand = 0
         self._pools: dict[bool, list[tuple[int, int, int, int]]] = {True: [], False: []}  # (stream, size, addr, id)
         self._blocks: dict[int, _Block] = {}  # id(block) -> block, for the pools' keys
         self._live: dict[object, _Block] = {}
         self.segments: list[_Segment] = []
         self._spans: list[tuple[int, int]] = []  # (addr, size) of the live segments, by address
         self._span_bytes = 0  # their sizes summed: equal to the last one's end when they leave no gap
+        # the free ranges between live segments, (addr, size) by address; None when the segments' addresses
+        # are given (a recorded trace's, which may overlap what the replay thinks live): then they are scanned
+        self._gaps: list[tuple[int, int]] | None = None if self.addresses else []
 
     # -- the pools --------------------------------------------------------
     def _key(self, b: _Block) -> tuple[int, int, int, int]:
@@ -205,6 +212,8 @@ class CachingAllocator:
         last = self._spans[-1][0] + self._spans[-1][1]
         if last == self._span_bytes:  # (non-overlapping spans whose sizes fill [0, last): no gap to scan)
             return last
+        if self._gaps is not None:
+            return next((addr for addr, length in self._gaps if length >= size), last)
         end = 0
         for addr, length in self._spans:
             if addr - end >= size:
@@ -212,13 +221,26 @@ class CachingAllocator:
             end = max(end, addr + length)
         return end
 
+    def _admits(self, size: int) -> bool:
+        """Whether the capacity lets ``size`` more bytes be reserved (the one place a capacity decides)."""
+        self.demand = max(self.demand, self.reserved + size)
+        return self.capacity is None or self.reserved + size <= self.capacity
+
     def _reserve(self, size: int, small: bool, stream: int) -> _Block | None:
-        if self.capacity is not None and self.reserved + size > self.capacity:
+        if not self._admits(size):
             return None
         seg = _Segment(self._address(size), size, small, stream)
         seg.head = _Block(seg.addr, size, seg)
         self.segments.append(seg)
         bisect.insort(self._spans, (seg.addr, size))
+        if self._gaps is not None:  # (placed at a gap's start, or after the highest segment)
+            k = bisect.bisect_left(self._gaps, (seg.addr, -1))
+            if k < len(self._gaps) and self._gaps[k][0] == seg.addr:
+                length = self._gaps[k][1] - size
+                if length > 0:
+                    self._gaps[k] = (seg.addr + size, length)
+                else:
+                    del self._gaps[k]
         self._span_bytes += size
         self.reserved += size
         self.max_reserved = max(self.max_reserved, self.reserved)
@@ -234,9 +256,30 @@ class CachingAllocator:
     def _drop(self, seg: _Segment) -> None:
         """Give a wholly free segment back to the device (``cudaFree``)."""
         self.segments.remove(seg)
-        del self._spans[bisect.bisect_left(self._spans, (seg.addr, seg.size))]
+        k = bisect.bisect_left(self._spans, (seg.addr, seg.size))
+        del self._spans[k]
         self._span_bytes -= seg.size
         self.reserved -= seg.size
+        if self._gaps is not None:
+            self._open_gap(seg.addr, seg.size, highest=k == len(self._spans))
+
+    def _open_gap(self, addr: int, size: int, highest: bool) -> None:
+        """Record ``[addr, addr + size)`` free, joined with the gaps beside it; past the highest segment
+        nothing is a gap (so the gap below the highest one, if it ends there, stops being one)."""
+        gaps = self._gaps
+        k = bisect.bisect_left(gaps, (addr, -1))
+        below = k > 0 and gaps[k - 1][0] + gaps[k - 1][1] == addr
+        if highest:
+            if below:
+                del gaps[k - 1]
+            return
+        lo, hi = addr, addr + size
+        if below:
+            k -= 1
+            lo = gaps.pop(k)[0]
+        if k < len(gaps) and gaps[k][0] == hi:
+            hi += gaps.pop(k)[1]
+        gaps.insert(k, (lo, hi - lo))
 
     def release_cached(self) -> None:
         """Release every segment that is wholly free (``release_cached_blocks``, both pools)."""
@@ -304,6 +347,33 @@ class CachingAllocator:
         return ReplayResult(self.reserved, self.max_reserved, self.allocated, self.max_allocated, failed_at,
                             failed_size, len(self.segments))
 
+    def copy(self) -> "CachingAllocator":
+        """An independent allocator in the same state: segments and blocks copied, requests' keys kept."""
+        new = _copy.copy(self)  # (the counters, capacity and rules)
+        made: dict[int, _Block] = {}  # id(old block) -> its copy
+        new.segments = []
+        for seg in self.segments:
+            twin = _Segment(seg.addr, seg.size, seg.small, seg.stream)
+            b, prev = seg.head, None
+            while b is not None:
+                c = _Block(b.addr, b.size, twin, b.free, b.mapped, prev)
+                if prev is None:
+                    twin.head = c
+                else:
+                    prev.next = c
+                made[id(b)] = prev = c
+                b = b.next
+            new.segments.append(twin)
+        new._blocks = {id(made[i]): made[i] for i in self._blocks}
+        # (a pool's entries differ before their last field, the block's identity: their order is kept)
+        new._pools = {small: [(st, size, addr, id(made[i])) for st, size, addr, i in pool]
+                      for small, pool in self._pools.items()}
+        new._live = {key: made[id(b)] for key, b in self._live.items()}
+        new._spans = list(self._spans)
+        new._gaps = None if self._gaps is None else list(self._gaps)
+        new.addresses = list(self.addresses)
+        return new
+
 
 def replay(events: Iterable[tuple[str, object, int]], capacity: int | None = None,
            rules: AllocatorRules | None = None, expandable: bool = False) -> ReplayResult:
@@ -311,15 +381,64 @@ def replay(events: Iterable[tuple[str, object, int]], capacity: int | None = Non
     allocator (with expandable segments where ``expandable``); stops at the first request that fails
     under ``capacity``."""
     a = (ExpandableAllocator if expandable else CachingAllocator)(capacity, rules or AllocatorRules())
-    for i, (what, key, size) in enumerate(events):
-        if what == "alloc":
-            if not a.malloc(key, size):
-                return a.result(i, size)
-        elif what == "free":
-            a.free(key)
-        else:
-            raise ValueError(f"unknown event {what!r}: 'alloc' or 'free'")
+    return _run(a, events)
+
+
+def _run(a: "CachingAllocator", events: Iterable[tuple[str, object, int]], start: int = 0) -> ReplayResult:
+    """Drive ``a`` through ``events`` (the sequence's from index ``start`` on)."""
+    for i, (what, key, size) in enumerate(events, start):
+        if not _apply(a, what, key, size):
+            return a.result(i, size)
     return a.result()
+
+
+def _apply(a: "CachingAllocator", what: str, key: object, size: int) -> bool:
+    """One event; False where its request fails."""
+    if what == "alloc":
+        return a.malloc(key, size)
+    if what == "free":
+        a.free(key)
+        return True
+    raise ValueError(f"unknown event {what!r}: 'alloc' or 'free'")
+
+
+class CapacityReplays:
+    """:func:`replay` of one sequence under many capacities, each resumed where it first differs from the
+    replay without a limit.
+
+    A capacity decides only whether a new reservation may be made (:meth:`CachingAllocator._admits`). So
+    under a capacity C the replay runs as the unlimited one up to the first request whose reservation
+    would pass C: the first event after which the unlimited replay's :attr:`~CachingAllocator.demand`
+    exceeds C. Each replay starts from a copy of the unlimited state just before that event, kept for the
+    capacities that follow (on an 8B Llama's two steps, every capacity of a search first differs two
+    thirds of the way in, at the first step's largest reservation)."""
+
+    def __init__(self, events: Iterable[tuple[str, object, int]], rules: AllocatorRules | None = None,
+                 expandable: bool = False):
+        self.events = list(events)
+        self._make = lambda: (ExpandableAllocator if expandable else CachingAllocator)(None, rules or AllocatorRules())
+        a = self._make()
+        self.demands = []  # the unlimited replay's demand after each event
+        for what, key, size in self.events:
+            _apply(a, what, key, size)  # (without a limit every request is served)
+            self.demands.append(a.demand)
+        self.unlimited = a.result()
+        self._states = {0: self._make()}  # event index -> the unlimited state just before it
+
+    def replay(self, capacity: int) -> ReplayResult:
+        """:func:`replay` of the sequence under ``capacity``, the same to the figure."""
+        first = bisect.bisect_right(self.demands, capacity)  # (demands never decrease)
+        if first == len(self.events):
+            return self.unlimited
+        start = max(i for i in self._states if i <= first)
+        a = self._states[start]
+        if start < first:
+            a = a.copy()
+            _run(a, self.events[start:first], start)
+            self._states[first] = a
+        a = a.copy()
+        a.capacity = capacity
+        return _run(a, self.events[first:], first)
 
 
 class ExpandableAllocator(CachingAllocator):
@@ -380,7 +499,7 @@ class ExpandableAllocator(CachingAllocator):
     def _grow(self, rounded: int, small: bool, stream: int) -> _Block | None:
         """Map what a request needs (``try_allocate_expandable_block``): the first unmapped range that,
         with the free block before it and the free or unmapped blocks after, holds the request."""
-        if self.capacity is not None and self.reserved + self.rules.segment_size(rounded) > self.capacity:
+        if not self._admits(self.rules.segment_size(rounded)):
             return None
         seg = self._segment(small, stream)
         c, start = seg.head, None
