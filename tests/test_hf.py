@@ -257,11 +257,23 @@ def test_unpacked_causal_lm_is_captured_without_a_mask_as_eager_mode_runs_it():
     batch could be packed: that capture keeps its mask."""
     from ckptopt import estimate, simulate, trace
     from ckptopt.measure import measure_training_step
+    from unittest import mock
+
+    from torch.export import ExportedProgram
+
     from ckptopt.tracer.capture.packing import MARK
 
     model, batch = build("LlamaForCausalLM", attention_dropout=0.0)
     batch = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
-    tm = trace(model, batch)
+    made, unlift = [], ExportedProgram.module
+
+    def counted(ep, *args, **kwargs):
+        made.append(ep)
+        return unlift(ep, *args, **kwargs)
+
+    with mock.patch.object(ExportedProgram, "module", counted):
+        tm = trace(model, batch)
+    assert len(made) == 1  # (one program unlifted once: the packing check reads it, the capture changes it)
     sdpa = [n for n in tm.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
     assert sdpa and all(n.args[3] is None for n in sdpa)
     assert any(MARK in n.args[1:] for n in tm.gm.graph.nodes if "_assert_async" in str(n.target))

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterable
 
@@ -148,7 +149,7 @@ def export_capture(model: nn.Module, inputs: Inputs, leaf_modules: Iterable[str 
             profile(call)
     if made:
         notes.append(opaque_note(made))
-    gm = ep.module(check_guards=False)
+    gm = _unlifted(ep, take=True)
     in_spec, out_spec = gm._in_spec, gm._out_spec
     gm.graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output; the specs are kept
     _constants_to_root(gm, model)
@@ -335,6 +336,23 @@ def _used_outputs(graph: fx.Graph, call: Any) -> set[int] | None:
     return None
 
 
+#: each exported program's module, made once (:func:`_unlifted`)
+_UNLIFTED: "weakref.WeakKeyDictionary[Any, fx.GraphModule]" = weakref.WeakKeyDictionary()
+
+
+def _unlifted(ep: Any, take: bool = False) -> fx.GraphModule:
+    """``ep.module(check_guards=False)``, made once per program: unlifting generates and compiles the
+    whole graph's code several times (about 0.4 s on an 8B Llama), and both the packing check, which
+    only reads it, and the capture, which changes it, need it. ``take``: the last use (the module leaves
+    the memo, so no one reads it changed)."""
+    gm = _UNLIFTED.pop(ep, None) if take else _UNLIFTED.get(ep)
+    if gm is None:
+        gm = ep.module(check_guards=False)
+        if not take:
+            _UNLIFTED[ep] = gm
+    return gm
+
+
 def _cause_of(exc: BaseException, kind: type) -> BaseException | None:
     return next((e for e in exception_chain(exc) if isinstance(e, kind)), None)
 
@@ -388,7 +406,7 @@ def _export_eager(target: nn.Module, inputs: Inputs, device: str,
             if not made:
                 raise
             exported = None
-    if exported is not None and (not made or not check_packing(exported[0], made, inputs)):
+    if exported is not None and (not made or not check_packing(_unlifted(exported[0]), made, inputs)):
         return exported, bool(made)
     return _export_once(target, inputs, device, eager=True, dynamic_shapes=dynamic_shapes), False
 

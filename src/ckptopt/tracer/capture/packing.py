@@ -77,13 +77,12 @@ def _roots(gm: fx.GraphModule) -> list[fx.Node]:
 _SIZE_OPS = ("aten.sym_size", "aten.sym_numel", "aten.sym_stride", "aten.sym_storage_offset")
 
 
-def check_packing(ep: Any, made: list, inputs: Inputs) -> str:
-    """"" when every assertion of :func:`eager_packing` in the exported program ``ep`` depends on
-    sizes alone (no value of an input, parameter or buffer, no random draw) and holds at the
-    example's sizes; else why not."""
+def check_packing(gm: fx.GraphModule, made: list, inputs: Inputs) -> str:
+    """"" when every assertion of :func:`eager_packing` in ``gm`` (an exported program's module, which
+    is read, not changed) depends on sizes alone (no value of an input, parameter or buffer, no random
+    draw) and holds at the example's sizes; else why not."""
     from ..statics import is_random
 
-    gm = ep.module(check_guards=False)
     roots = _roots(gm)
     if len(roots) != len(made):
         return "the assertion is not where it was made"
