@@ -321,6 +321,31 @@ def test_value_read_in_an_opaque_submodule():
     assert info.value.node == "_1" and "While executing" not in str(info.value)
 
 
+class Count(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        idx = (h > 0).nonzero()
+        return h * idx.shape[0]
+
+
+def test_a_graph_node_that_reads_a_value_is_named_at_its_line_though_graphs_keep_no_lines():
+    """torch.export records no source line per node (a quarter of its time); where a node of the graph
+    cannot be run on fake tensors (an output shape read from values, on a meta model), the trace runs
+    again with lines recorded, and the message names the model's line."""
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 8), Count(), nn.Linear(8, 4))
+    with pytest.raises(TraceError, match=r"cannot measure graph node nonzero .*DynamicOutputShapeException\) at "
+                                         r".*test_capture_errors.py:\d+ in forward: `idx = \(h > 0\).nonzero\(\)`"):
+        trace(meta, X.to("meta"), capture="export")
+    tm = trace(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), X, capture="export")
+    assert tm.capture.front_end == "export"
+    assert not any("stack_trace" in n.meta for n in tm.gm.graph.nodes)
+
+
 def test_values_the_inputs_determine_are_read_from_the_example_batch():
     """Flaubert asserts `lengths.max().item() <= slen` (torch.export keeps the .item() in the graph), BART's
     classification head checks `unique_consecutive` of the EOS counts and indexes the EOS positions with a

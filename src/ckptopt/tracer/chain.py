@@ -39,7 +39,7 @@ from ..storages import storage_nbytes
 from ..torch_utils import Inputs, default_loss, is_fake, normalize_inputs, tensor_leaves
 from .capture import Captured, check_capture_mode
 from .capture import capture as capture_graph
-from .capture.export import OPAQUE_ROUNDS
+from .capture.export import OPAQUE_ROUNDS, recorded_lines
 from .capture.opaque import starting_with
 from ..solvers.limits import SIDE_AUTO_MAX_WORK, spare_core
 from ..solvers.side_tensors import solves_within
@@ -227,12 +227,26 @@ def trace(
                          f"False (the example's shapes only), got {dynamic_shapes!r}")
     inputs = check_model_and_inputs(model, example_inputs)
     model, inputs = unmaterialized(model, inputs)  # meta tensors: fakes on a real device
+    args = (model, inputs, loss_fn, leaf_modules, capture, max_crossing, dynamic_shapes)
+    try:
+        return _trace(*args)
+    except TraceError as exc:
+        if not getattr(exc, "line_unrecorded", False):
+            raise
+    with recorded_lines():  # (the same failure again, its graph with source lines: the message names the line)
+        return _trace(*args)
+
+
+def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable | None, leaf_modules, capture: str,
+           max_crossing: int | None, dynamic_shapes: bool) -> TracedModel:
+    """:func:`trace` of checked inputs: capture, then the cost model; a submodule whose captured ops read a
+    value is run as one op, one more each round."""
     captured = capture_graph(model, inputs, capture, leaf_modules, dynamic_shapes)
     try:
         return trace_captured(model, captured, inputs, loss_fn, max_crossing)
     except TraceError as exc:
         error, reading = exc, []
-    # a submodule whose captured ops read a value runs as one op (capture/opaque.py), one more per round
+    # (capture/opaque.py)
     first = error
     for _ in range(OPAQUE_ROUNDS if capture != "fx" else 0):
         module = _reading_submodule(model, error)

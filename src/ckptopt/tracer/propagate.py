@@ -48,6 +48,8 @@ class FakeRecorder(fx.Interpreter):
                     node=n.name,
                 )
                 error.module_path = n.target if n.op == "call_module" else module_path(n)  # (where it runs)
+                # (a graph captured without its source lines: the trace runs again to name the line)
+                error.line_unrecorded = line is None and n.op == "call_function" and "stack_trace" not in n.meta
                 raise error from exc
             raise TraceError(
                 f"running node {n.format_node()} on the example inputs failed: {type(exc).__name__}: {exc}. "
