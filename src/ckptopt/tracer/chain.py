@@ -239,14 +239,13 @@ def trace(
 
 def _trace(model: nn.Module, inputs: Inputs, loss_fn: Callable | None, leaf_modules, capture: str,
            max_crossing: int | None, dynamic_shapes: bool) -> TracedModel:
-    """:func:`trace` of checked inputs: capture, then the cost model; a submodule whose captured ops read a
-    value is run as one op, one more each round."""
+    """:func:`trace` of checked inputs: the capture, then its cost model."""
     captured = capture_graph(model, inputs, capture, leaf_modules, dynamic_shapes)
     try:
         return trace_captured(model, captured, inputs, loss_fn, max_crossing)
     except TraceError as exc:
         error, reading = exc, []
-    # (capture/opaque.py)
+    # a submodule whose captured ops read a value runs as one op (capture/opaque.py), one more per round
     first = error
     for _ in range(OPAQUE_ROUNDS if capture != "fx" else 0):
         module = _reading_submodule(model, error)
