@@ -77,23 +77,34 @@ PARTS = [  # (part, module, attribute)
 
 @contextmanager
 def _timed_parts(seconds: dict, calls: dict):
-    """Wrap each part's function so that the time inside it (outermost call only) adds to its part."""
+    """Wrap each part's function so that the time inside it (outermost call only) adds to its part, and
+    leaves the part it runs inside (an estimate's allocator replay, run while the trace waits for a
+    crossing's trial, is the replay's, not the trials')."""
     import importlib
 
-    patched, active = [], set()
+    import threading
+
+    patched, local = [], threading.local()  # (per thread: a part run in a thread nests in none of the caller's)
 
     def wrap(part, fn):
         def timed(*a, **k):
+            active = local.__dict__.setdefault("active", set())
+            stack = local.__dict__.setdefault("stack", [])
             if part in active:  # (nested: counted by the outer call)
                 return fn(*a, **k)
             active.add(part)
+            stack.append(part)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                seconds[part] = seconds.get(part, 0.0) + time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                seconds[part] = seconds.get(part, 0.0) + took
                 calls[part] = calls.get(part, 0) + 1
                 active.discard(part)
+                stack.pop()
+                if stack:  # (inside another part: not that part's time)
+                    seconds[stack[-1]] = seconds.get(stack[-1], 0.0) - took
         return timed
 
     for part, where, attr in PARTS:

@@ -175,6 +175,34 @@ def test_estimate_on_cuda_needs_the_least_memory_the_replay_runs_the_steps_in(mo
     assert off.replayed is None and "keeps the output" in off.replay_note
 
 
+def test_the_replay_of_the_model_as_it_is_runs_while_the_trace_waits(monkeypatch):
+    """estimate on CUDA hands the trace the allocator replay of no checkpointing, which needs no trace:
+    it runs while a crossing's trial is pending, and the estimate is the one running them in turn gives."""
+    import time
+
+    import ckptopt.planning.reserved as reserved
+    import ckptopt.tracer.chain as chain
+    from ckptopt import estimate, zoo
+
+    model, x = zoo.get("gpt", batch_size=2)
+    ref = estimate(model, x, device="cuda")
+    order, trial, replay = [], chain.solves_within, reserved.replayed_needs
+
+    def slow_trial(costs, max_work, stop=None):
+        time.sleep(0.5)
+        order.append("trial")
+        return trial(costs, max_work, stop)
+
+    def replayed(*args, **kwargs):
+        order.append("replay")
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(chain, "solves_within", slow_trial)
+    monkeypatch.setattr(reserved, "replayed_needs", replayed)
+    assert estimate(model, x, device="cuda") == ref
+    assert ref.replayed is not None and "trial" in order and order.index("replay") < order.index("trial")
+
+
 def test_a_step_that_does_not_run_on_fake_tensors_leaves_the_answer_to_the_headroom_share(monkeypatch):
     """Where the loop's fake step cannot run (a forward reading a value no fake tensor has), estimate and
     max_batch keep the headroom share and say why, rather than failing."""

@@ -369,6 +369,42 @@ def test_crossing_trials_beside_measuring_answer_as_one_after_the_other(monkeypa
     assert trace(model, x).max_crossing == 4
 
 
+def test_work_handed_to_the_tracer_runs_while_a_trial_is_pending(monkeypatch):
+    """A task given with while_waiting runs in the tracing thread where the trace would wait for a
+    crossing's trial (the trial here finishes only once the task ran), and the trace is the same; with
+    one core no trial is pending, and the task runs when its caller asks for the value."""
+    import threading
+
+    import ckptopt.tracer.chain as chain
+    from ckptopt import zoo
+    from ckptopt.solvers.side_tensors import solves_within
+
+    model, x = zoo.get("unet", batch_size=1, input_size=32, base=4)
+    plain = trace(model, x)
+    ran = threading.Event()
+    task = chain.IdleTask(lambda: (ran.set(), threading.get_ident())[1])
+
+    def trial(costs, max_work, stop=None):
+        assert ran.wait(timeout=30)  # (pending until the tracer has run the task)
+        return solves_within(costs, max_work, stop)
+
+    monkeypatch.setattr(chain, "solves_within", trial)
+    with chain.while_waiting(task):
+        tm = trace(model, x)
+    assert task.done and task.value() == threading.get_ident()
+    assert tm.max_crossing == plain.max_crossing and tm.costs.to_dict() == plain.costs.to_dict()
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(chain, "solves_within", solves_within)
+    later = chain.IdleTask(lambda: "asked")
+    with chain.while_waiting(later):
+        assert trace(model, x).costs.to_dict() == plain.costs.to_dict()
+    assert not later.done and later.value() == "asked"
+    failing = chain.IdleTask(lambda: 1 / 0)
+    failing.run()
+    with pytest.raises(ZeroDivisionError):  # (raised where the value is asked for)
+        failing.value()
+
+
 
 # --------------------------------------------------------------------------
 # shadows: the values the inputs alone determine, read by ops of data-dependent shape

@@ -17,6 +17,7 @@ from ..errors import InfeasibleBudget
 from ..plan import Plan
 from ..storages import distinct_storages, storage_nbytes
 from ..torch_utils import Inputs, normalize_inputs
+from ..tracer.chain import IdleTask, while_waiting
 from ..tracer.meta import planned_on
 from .reserved import replay_declined
 from .headroom import Headroom, check_calibrate, default_calibrate, default_headroom
@@ -286,11 +287,21 @@ LEAST_RECOMPUTE_MAX_WORK = 10 * TIE_BREAK_MAX_WORK
 NO_CHECKPOINTING, OPTIMAL_PLAN = "no checkpointing", "optimal plan"
 
 
+def _replay_as_is(model, inputs: Inputs, loss_fn, optimizer: str, impl: str | None, dev: str) -> IdleTask:
+    """The allocator replay of no checkpointing (:func:`~ckptopt.planning.reserved.replayed_needs`), to
+    run when convenient: it needs neither the trace nor the parameters' sizes (the optimizer's name and
+    step implementation do not depend on them)."""
+    from .reserved import replayed_needs
+
+    step = optimizer_memory([], optimizer, impl, dev)
+    return IdleTask(lambda: replayed_needs(model, inputs, loss_fn, {NO_CHECKPOINTING: None}, step.name, step.impl))
+
+
 def _plan_and_replay(model, inputs: Inputs, loss_fn, tm, rank: RankCosts, opt: OptimizerMemory,
-                     why_not: str | None) -> tuple[Plan, dict | None, str | None]:
+                     as_is: IdleTask | None, why_not: str | None) -> tuple[Plan, dict | None, str | None]:
     """``(optimal plan, replayed needs by label, why not replayed)``: :func:`optimal_plan`, and where
-    ``why_not`` is None the caching allocator's replay of no checkpointing and of that plan
-    (:func:`~ckptopt.planning.reserved.replayed_needs`).
+    ``why_not`` is None the caching allocator's replay of no checkpointing (``as_is``, unless the trace
+    already ran it while it waited) and of that plan (:func:`~ckptopt.planning.reserved.replayed_needs`).
 
     No checkpointing's replay does not depend on the plan. So with a spare core the plan is found in a
     thread beside it: its programs (the side-tensor Pareto passes, seconds on an 8B Llama) release the
@@ -301,22 +312,20 @@ def _plan_and_replay(model, inputs: Inputs, loss_fn, tm, rank: RankCosts, opt: O
     from ..solvers.limits import spare_core
     from .reserved import replayed_needs
 
-    def replay(builds):
-        return replayed_needs(model, inputs, loss_fn, builds, opt.name, opt.impl)
-
-    if spare_core():
+    if spare_core() and not as_is.done:
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(optimal_plan, rank, opt)
-            replayed, why_not = replay({NO_CHECKPOINTING: None})
+            replayed, why_not = as_is.value()
             best = pending.result()
     else:
         best = optimal_plan(rank, opt)
-        replayed, why_not = replay({NO_CHECKPOINTING: None})
+        replayed, why_not = as_is.value()
     if replayed is None:
         return best, None, why_not
     if not (best.checkpoints or best.stored):  # (the optimal plan checkpoints nothing)
         return best, {**replayed, OPTIMAL_PLAN: replayed[NO_CHECKPOINTING]}, None
-    planned, why_not = replay({OPTIMAL_PLAN: lambda fm: apply_plan(fm, tm, best)})
+    planned, why_not = replayed_needs(model, inputs, loss_fn, {OPTIMAL_PLAN: lambda fm: apply_plan(fm, tm, best)},
+                                      opt.name, opt.impl)
     if planned is None:
         return best, None, why_not
     return best, {**replayed, **planned}, None
@@ -476,12 +485,16 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     """
     inputs = normalize_inputs(example_inputs)
     leaf_modules = sharded_leaves(model, parallel, leaf_modules)
-    # (under FSDP2's mixed precision: what a rank computes in; at the example's shapes: an estimate plans
-    # one shape, and dynamic shapes would double the export's time)
-    tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture,
-                    dynamic_shapes=False)
     model_dev = planned_on(model)
     dev = device or model_dev
+    why_not = replay_declined(dev, headroom, parallel, keep_output)
+    as_is = None if why_not is not None else _replay_as_is(model, inputs, loss_fn, optimizer, impl, dev)
+    # (under FSDP2's mixed precision: what a rank computes in; at the example's shapes: an estimate plans
+    # one shape, and dynamic shapes would double the export's time; the replay of the model as it is, which
+    # needs no trace, runs where the trace would wait for a trial)
+    with while_waiting(as_is):
+        tm = rank_trace(model, inputs, parallel, loss_fn=loss_fn, leaf_modules=leaf_modules, capture=capture,
+                        dynamic_shapes=False)
     calibrated = calibration_choice(calibrate, dev, model_dev, parallel)
     check_calibrate(calibrated, dev, str(next(model.parameters()).device))  # (meta: refused)
     if calibrated:
@@ -492,8 +505,7 @@ def estimate(model, example_inputs, optimizer: str = "adam", impl: str | None = 
     rank = rank_costs(tm.costs, param_facts(model, tm if is_sharded(parallel) else None, parallel=parallel),
                       tm.param_bytes, parallel)
     opt = optimizer_memory(rank.sizes, optimizer, impl, dev)
-    why_not = replay_declined(dev, headroom, parallel, keep_output)
-    best, replayed, why_not = _plan_and_replay(model, inputs, loss_fn, tm, rank, opt, why_not)
+    best, replayed, why_not = _plan_and_replay(model, inputs, loss_fn, tm, rank, opt, as_is, why_not)
     kept = [(0, 0), (0, 0)]
     if keep_output:
         check_keep_output(parallel)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
@@ -451,6 +453,52 @@ def _measure_at_a_crossing(run: _Propagated, grouping: _Grouping, captured: Capt
     return layers, costs, hoisted, max_crossing
 
 
+class IdleTask:
+    """Work a caller hands the tracer to run, in the tracing thread, while it would otherwise wait for a
+    crossing's trial (:func:`while_waiting`), work that does not depend on the trace (an estimate's
+    allocator replay of the model as it is). :meth:`value` runs it where the wait never came."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self._fn = fn
+        self.done = False
+        self._result: Any = None
+        self._error: Exception | None = None
+
+    def run(self) -> None:
+        if not self.done:
+            self.done = True
+            try:
+                self._result = self._fn()
+            except Exception as exc:  # noqa: BLE001 - raised where the caller asks for the value
+                self._error = exc
+
+    def value(self) -> Any:
+        self.run()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+_IDLE = threading.local()  # .tasks: the tasks :func:`while_waiting` gave this thread
+
+
+@contextmanager
+def while_waiting(task: IdleTask | None):
+    """While active, traces in this thread run ``task`` (None: nothing) when they would wait for a trial."""
+    tasks = _IDLE.__dict__.setdefault("tasks", [])
+    tasks.append(task)
+    try:
+        yield task
+    finally:
+        tasks.pop()
+
+
+def _run_idle_tasks() -> None:
+    for task in getattr(_IDLE, "tasks", ()):
+        if task is not None:
+            task.run()
+
+
 class _Trial(NamedTuple):
     """One crossing's trial run (:func:`~ckptopt.solvers.side_tensors.solves_within`)."""
 
@@ -484,7 +532,9 @@ class _Trials:
     def settled(self, timeout: float | None = None) -> bool:
         """Whether the answer is known: the largest pending trial finished (waiting up to ``timeout``
         seconds for it; None: as long as it takes), or failed and the next one did, and so on. Failed
-        trials leave the list."""
+        trials leave the list. Before it waits, the tasks :func:`while_waiting` gave run."""
+        if self.pending and not self.pending[0].done.done():
+            _run_idle_tasks()
         while self.pending:
             trial = self.pending[0]
             try:
