@@ -429,7 +429,7 @@ class CapacityReplays:
         """:func:`replay` of the sequence under ``capacity``, the same to the figure."""
         first = bisect.bisect_right(self.demands, capacity)  # (demands never decrease)
         if first == len(self.events):
-            return self.unlimited
+            return _copy.copy(self.unlimited)  # (each answer the caller's own, as replay()'s are)
         start = max(i for i in self._states if i <= first)
         a = self._states[start]
         if start < first:
